@@ -1,0 +1,1 @@
+"""Poseidon's compute engine: Caffe formats, layers, nets, solvers, data and the communicator."""

@@ -1,0 +1,1 @@
+"""Poseidon's command line: `poseidon train | test | time | bench | simulate | convert | data`."""

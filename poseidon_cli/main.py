@@ -1,0 +1,56 @@
+"""The `poseidon` click group; each command lives in its own module of this package."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+#: command name -> "module:function"; modules are imported only when their command runs,
+#: so `poseidon --help` stays fast and one broken optional dependency does not break all.
+COMMANDS = {
+    "train": "poseidon_cli.train_cmd:train",
+    "test": "poseidon_cli.test_cmd:test",
+    "time": "poseidon_cli.time_cmd:time_cmd",
+    "convert": "poseidon_cli.convert_cmd:convert",
+    "data": "poseidon_cli.data_cmd:data",
+    "device-query": "poseidon_cli.device_cmd:device_query",
+    "bench": "poseidon_cli.bench_cmd:bench",
+    "simulate": "poseidon_cli.simulate_cmd:simulate",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(name for name in COMMANDS if _find(name) is not None)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        return _find(name)
+
+
+def _find(name: str) -> click.Command | None:
+    target = COMMANDS.get(name)
+    if target is None:
+        return None
+    module, attr = target.split(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except ModuleNotFoundError as e:
+        if e.name == module:  # command not built yet
+            return None
+        raise
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """Poseidon: train Caffe models on many machines."""
+
+
+def fail(message: str, code: int = 1) -> "NoReturn":  # type: ignore[name-defined]
+    """Print a one-line error and exit non-zero: the one way commands report bad input."""
+    click.echo(f"poseidon: error: {message}", err=True)
+    sys.exit(code)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    cli()

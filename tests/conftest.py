@@ -1,0 +1,25 @@
+"""Shared test fixtures: where ../shared is, and skipping cleanly when it is absent."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = Path(os.environ.get("POSEIDON_SHARED", ROOT.parent / "shared"))
+
+
+def shared_path(*parts: str) -> Path:
+    """A path under ../shared, skipping the calling test when it is not there."""
+    p = SHARED.joinpath(*parts)
+    if not p.exists():
+        pytest.skip(f"needs {p} (the shared fixtures beside the checkout)")
+    return p
+
+
+@pytest.fixture
+def shared() -> Path:
+    if not SHARED.is_dir():
+        pytest.skip(f"needs the shared fixtures at {SHARED}")
+    return SHARED
