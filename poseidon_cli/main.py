@@ -1,8 +1,11 @@
 """The `poseidon` click group; each command lives in its own module of this package."""
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 import sys
+from typing import Iterator
 
 import click
 
@@ -44,6 +47,20 @@ def _find(name: str) -> click.Command | None:
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
     """Poseidon: train Caffe models on many machines."""
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn the engine's errors about bad input into one line and a non-zero exit.
+
+    Set POSEIDON_DEBUG=1 to see the traceback instead.
+    """
+    try:
+        yield
+    except (ValueError, OSError, KeyError, RuntimeError) as e:
+        if os.environ.get("POSEIDON_DEBUG"):
+            raise
+        fail(str(e) or type(e).__name__)
 
 
 def fail(message: str, code: int = 1) -> "NoReturn":  # type: ignore[name-defined]

@@ -1,0 +1,110 @@
+"""Communication counters: bytes per layer and scheme, time waiting on the network, overlap.
+
+Bytes are array-payload bytes (headers are a few dozen bytes and not counted, so the counters
+can be compared with the cost model's float counts). Each transfer is counted twice over:
+``net`` when it crosses the node boundary (a worker and its own shard are one node), and in
+the ``all`` totals whatever the peer. Time counters come from the syncer: for every layer and
+round, when its gradients were released and when the update was applied, and how long the
+training thread blocked in ``wait``.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+
+class CommStats:
+    """Thread-safe counters shared by the transport (bytes) and the syncer (times)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # (layer, scheme) -> [sent_net, recv_net, sent_all, recv_all]
+        self._bytes: dict[tuple[int, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+        self._wait: dict[int, float] = defaultdict(float)
+        self._intervals: dict[int, list[tuple[int, float, float]]] = defaultdict(list)  # round ->
+        self._rounds: dict[int, int] = defaultdict(int)  # layer -> completed rounds
+        self.layer_names: dict[int, str] = {}
+
+    def add_bytes(self, layer: int, scheme: str, sent: bool, nbytes: int, network: bool) -> None:
+        with self._lock:
+            row = self._bytes[(layer, scheme)]
+            row[2 if sent else 3] += nbytes
+            if network:
+                row[0 if sent else 1] += nbytes
+
+    def add_wait(self, layer: int, seconds: float) -> None:
+        with self._lock:
+            self._wait[layer] += seconds
+
+    def add_round(self, layer: int, rnd: int, released: float, applied: float) -> None:
+        with self._lock:
+            self._intervals[rnd].append((layer, released, applied))
+            self._rounds[layer] += 1
+
+    def summary(self) -> dict[str, Any]:
+        """Per-layer bytes per round (network and all), wait seconds, and the hidden fraction."""
+        with self._lock:
+            layers = []
+            for (layer, scheme), (sn, rn, sa, ra) in sorted(self._bytes.items()):
+                n = max(self._rounds.get(layer, 0), 1)
+                layers.append({"layer": layer, "name": self.layer_names.get(layer, str(layer)),
+                               "scheme": scheme, "rounds": self._rounds.get(layer, 0),
+                               "net_sent_per_iter": sn / n, "net_recv_per_iter": rn / n,
+                               "all_sent_per_iter": sa / n, "all_recv_per_iter": ra / n})
+            comm, hidden = 0.0, 0.0
+            for ivs in self._intervals.values():
+                c, h = _overlap(ivs)
+                comm += c
+                hidden += h
+            iters = max(len(self._intervals), 1)
+            return {"layers": layers,
+                    "wait_s_per_iter": sum(self._wait.values()) / iters,
+                    "wait_s_by_layer": {str(k): v / iters for k, v in sorted(self._wait.items())},
+                    "comm_s_per_iter": comm / iters,
+                    "hidden_fraction": hidden / comm if comm > 0 else 0.0,
+                    "iterations": len(self._intervals)}
+
+    def format_lines(self) -> list[str]:
+        s = self.summary()
+        lines = [f"comm: wait {s['wait_s_per_iter'] * 1e3:.1f} ms/iter, comm {s['comm_s_per_iter'] * 1e3:.1f}"
+                 f" ms/iter, {100 * s['hidden_fraction']:.0f}% hidden behind backward"]
+        for row in s["layers"]:
+            lines.append(f"comm: {row['name']:>12} {row['scheme']:>3} sent {row['net_sent_per_iter'] / 1e6:.3f} MB"
+                         f" recv {row['net_recv_per_iter'] / 1e6:.3f} MB per iter (network)")
+        return lines
+
+    def write_json(self, path: str | Path) -> None:
+        p = Path(path)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps(self.summary(), indent=1))
+        tmp.replace(p)
+
+
+def _overlap(intervals: list[tuple[int, float, float]]) -> tuple[float, float]:
+    """(length of the union of comm intervals, part of it inside the backward window).
+
+    The backward window of a round runs from its first release to its last: communication
+    after the last release is what the next iteration has to wait for.
+    """
+    if not intervals:
+        return 0.0, 0.0
+    lo = min(r for _, r, _ in intervals)
+    hi = max(r for _, r, _ in intervals)
+    total = hidden = 0.0
+    end = -float("inf")
+    for _, a, b in sorted(intervals, key=lambda t: t[1]):
+        a = max(a, end)
+        if b <= a:
+            continue
+        total += b - a
+        hidden += max(0.0, min(b, hi) - max(a, lo))
+        end = b
+    return total, hidden
+
+
+def now() -> float:
+    return time.perf_counter()

@@ -1,0 +1,355 @@
+"""ZeroMQ transport: one bound socket per process, validated multipart messages, liveness.
+
+Every process (a worker, or a node's shard server) binds one PULL socket at its own port and
+keeps one PUSH socket connected to each peer. A message is ``[header][array]...``: the header is
+a ``poseidon.Header`` protobuf, the arrays are raw C-contiguous bytes sent with ``copy=False``.
+
+A receiver thread parses and validates every message before a byte of it is used (structure
+here; content — layer, chunk, round, dtype, shape — by the owner's ``checker``). A bad message
+is logged and dropped. Good data messages go to a handler (the shard server) or to a mailbox
+the syncer waits on with a timeout that names who is missing. A heartbeat thread keeps peers
+informed and notices peers that went silent; any fatal error is broadcast (ABORT) so that every
+process stops with the same message naming the culprit.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import zmq
+
+from engine.pb import poseidon_pb2 as pb
+
+from .hosts import HostEntry
+from .stats import CommStats
+
+log = logging.getLogger("poseidon.comm")
+
+WORKER, SHARD = "worker", "shard"
+PeerId = tuple[str, int]
+#: mailbox key: (kind, sender role, sender, round, layer, param, chunk)
+Key = tuple[int, str, int, int, int, int, int]
+
+ALLOWED_DTYPES = {np.dtype(t).str for t in ("<f2", "<f4", "<f8")}
+MAX_FRAMES = 64
+_ROLE = {pb.WORKER: WORKER, pb.SHARD: SHARD}
+_ROLE_PB = {WORKER: pb.WORKER, SHARD: pb.SHARD}
+_SCHEME = {pb.PUSH: "ps", pb.SUM: "ps", pb.FACTORS: "sfb"}
+
+
+class CommError(RuntimeError):
+    """A communication failure that stops training; the message names the peer and the cause."""
+
+
+@dataclass
+class Message:
+    header: pb.Header
+    arrays: list[np.ndarray]
+
+    @property
+    def sender(self) -> PeerId:
+        return (_ROLE[self.header.sender_role], self.header.sender)
+
+    def key(self) -> Key:
+        return message_key(self.header.kind, self.sender, self.header.round, self.header.layer,
+                           self.header.param, self.header.chunk)
+
+
+def message_key(kind: int, sender: PeerId, rnd: int = 0, layer: int = 0, param: int = 0,
+                chunk: int = 0) -> Key:
+    return (int(kind), sender[0], int(sender[1]), int(rnd), int(layer), int(param), int(chunk))
+
+
+def peer_name(peer: PeerId, hosts: Sequence[HostEntry]) -> str:
+    role, idx = peer
+    if 0 <= idx < len(hosts):
+        e = hosts[idx]
+        return f"{role} {idx} ({e.host}:{e.port if role == WORKER else e.shard_port})"
+    return f"{role} {idx}"
+
+
+def header(kind: int, **fields: object) -> pb.Header:
+    return pb.Header(kind=kind, **fields)
+
+
+class Endpoint:
+    """One process's view of the network: its bound socket, its peers, liveness and mailbox.
+
+    ``checker(message) -> reason | None`` validates content; ``handler(message)``, when given,
+    receives valid data messages on the receiver thread instead of the mailbox.
+    """
+
+    def __init__(self, me: PeerId, hosts: Sequence[HostEntry], peers: Iterable[PeerId],
+                 timeout: float = 30.0, stats: CommStats | None = None,
+                 exit_grace: float | None = None, snapshot_hint: Callable[[], str | None] | None = None,
+                 bind_host: str = "*") -> None:
+        self.me = me
+        self.hosts = list(hosts)
+        self.peers = [p for p in peers if p != me]
+        self.timeout = float(timeout)
+        self.stats = stats or CommStats()
+        self.exit_grace = exit_grace
+        self.snapshot_hint = snapshot_hint
+        self.checker: Callable[[Message], str | None] | None = None
+        self.handler: Callable[[Message], None] | None = None
+        self.on_fatal: list[Callable[[str], None]] = []
+        self.dropped = 0
+        self.error: str | None = None
+        self._ctx = zmq.Context()
+        self._send_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._mailbox: dict[Key, Message] = {}
+        self._stop = threading.Event()
+        start = time.monotonic()
+        self._last_seen: dict[PeerId, float] = {p: start for p in self.peers}
+        self._heard: set[PeerId] = set()
+        self._gone: set[PeerId] = set()
+        entry = self.hosts[me[1]]
+        port = entry.port if me[0] == WORKER else entry.shard_port
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        try:
+            self._pull.bind(f"tcp://{bind_host}:{port}")
+        except zmq.ZMQError as e:
+            self._ctx.destroy(linger=0)
+            raise CommError(f"{peer_name(me, self.hosts)}: cannot bind port {port}: {e}") from None
+        self._push: dict[PeerId, zmq.Socket] = {}
+        for p in self.peers:
+            s = self._ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 2000)
+            e = self.hosts[p[1]]
+            s.connect(e.worker_addr() if p[0] == WORKER else e.shard_addr())
+            self._push[p] = s
+        self._threads = [threading.Thread(target=self._recv_loop, name="poseidon-recv", daemon=True),
+                         threading.Thread(target=self._heartbeat_loop, name="poseidon-heartbeat",
+                                          daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def name(self) -> str:
+        return peer_name(self.me, self.hosts)
+
+    def name_of(self, peer: PeerId) -> str:
+        return peer_name(peer, self.hosts)
+
+    # ----------------------------------------------------------------------------- sending
+    def send(self, peer: PeerId, hdr: pb.Header, arrays: Sequence[np.ndarray] = ()) -> None:
+        """Send a header and arrays (zero-copy: do not modify them until the peer answered)."""
+        hdr.sender_role = _ROLE_PB[self.me[0]]
+        hdr.sender = self.me[1]
+        del hdr.arrays[:]
+        frames: list[object] = []
+        for a in arrays:
+            a = np.ascontiguousarray(a)
+            hdr.arrays.add(dtype=a.dtype.str, shape=a.shape)
+            frames.append(memoryview(a).cast("B") if a.size else b"")
+        nbytes = sum(a.nbytes for a in arrays)
+        with self._send_lock:
+            sock = self._push.get(peer)
+            if sock is None:
+                return
+            sock.send_multipart([hdr.SerializeToString(), *frames], copy=False)
+        scheme = _SCHEME.get(hdr.kind)
+        if scheme is not None:
+            self.stats.add_bytes(hdr.layer, scheme, True, nbytes, self._network(peer))
+
+    def broadcast(self, peers: Iterable[PeerId], hdr: pb.Header,
+                  arrays: Sequence[np.ndarray] = ()) -> None:
+        for p in peers:
+            self.send(p, hdr, arrays)
+
+    def _network(self, peer: PeerId) -> bool:
+        """True when traffic to ``peer`` leaves this node (worker r and shard r are one node)."""
+        return peer[1] != self.me[1]
+
+    # --------------------------------------------------------------------------- receiving
+    def _recv_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                if not poller.poll(100):
+                    continue
+                frames = self._pull.recv_multipart(copy=False)
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                raise
+            msg, reason = self._parse(frames)
+            if msg is None:
+                self.dropped += 1
+                log.warning("%s: dropped a bad message: %s", self.name, reason)
+                continue
+            try:
+                self._dispatch(msg)
+            except Exception as e:  # a bug in a handler must stop the run, not hang it
+                self.fatal(f"{self.name}: internal error handling a message from "
+                           f"{self.name_of(msg.sender)}: {type(e).__name__}: {e}")
+
+    def _parse(self, frames: list[zmq.Frame]) -> tuple[Message | None, str]:
+        if not frames or len(frames) > MAX_FRAMES + 1:
+            return None, f"{len(frames)} frames"
+        try:
+            hdr = pb.Header.FromString(frames[0].bytes)
+        except Exception:
+            return None, "header is not a poseidon.Header"
+        if hdr.kind not in _SCHEME and hdr.kind not in (pb.HELLO, pb.LAYOUT, pb.READY, pb.HEARTBEAT,
+                                                        pb.BYE, pb.ABORT):
+            return None, f"unknown kind {hdr.kind}"
+        if hdr.sender_role not in _ROLE:
+            return None, f"unknown sender role {hdr.sender_role}"
+        sender = (_ROLE[hdr.sender_role], hdr.sender)
+        if sender not in self._last_seen:
+            return None, f"unknown sender {sender[0]} {sender[1]}"
+        if len(hdr.arrays) != len(frames) - 1:
+            return None, f"header lists {len(hdr.arrays)} arrays but {len(frames) - 1} frames came"
+        arrays = []
+        for meta, frame in zip(hdr.arrays, frames[1:]):
+            if meta.dtype not in ALLOWED_DTYPES:
+                return None, f"dtype {meta.dtype!r} not allowed"
+            if any(d < 0 for d in meta.shape):
+                return None, f"negative shape {tuple(meta.shape)}"
+            dt = np.dtype(meta.dtype)
+            n = int(np.prod(meta.shape, dtype=np.int64)) if meta.shape else 1
+            buf = frame.buffer
+            if n * dt.itemsize != len(buf):
+                return None, f"frame of {len(buf)} bytes for {meta.dtype}{tuple(meta.shape)}"
+            arrays.append(np.frombuffer(buf, dtype=dt, count=n).reshape(tuple(meta.shape)))
+        msg = Message(hdr, arrays)
+        if self.checker is not None and hdr.kind in _SCHEME:
+            reason = self.checker(msg)
+            if reason is not None:
+                return None, f"from {self.name_of(sender)}: {reason}"
+        return msg, ""
+
+    def _dispatch(self, msg: Message) -> None:
+        sender, kind = msg.sender, msg.header.kind
+        with self._cond:
+            self._last_seen[sender] = time.monotonic()
+            self._heard.add(sender)
+        if kind == pb.HEARTBEAT:
+            return
+        if kind == pb.BYE:
+            with self._cond:
+                self._gone.add(sender)
+                self._cond.notify_all()
+            return
+        if kind == pb.ABORT:
+            self.fatal(msg.header.reason or f"{self.name_of(sender)} aborted", propagate=False)
+            return
+        scheme = _SCHEME.get(kind)
+        if scheme is not None:
+            self.stats.add_bytes(msg.header.layer, scheme, False,
+                                 sum(a.nbytes for a in msg.arrays), self._network(sender))
+        if self.handler is not None and kind in _SCHEME:
+            self.handler(msg)
+            return
+        with self._cond:
+            key = msg.key()
+            if key in self._mailbox:
+                self.dropped += 1
+                log.warning("%s: dropped a duplicate message from %s", self.name, self.name_of(sender))
+                return
+            self._mailbox[key] = msg
+            self._cond.notify_all()
+
+    def wait_for(self, keys: Sequence[Key], what: str, timeout: float | None = None) -> list[Message]:
+        """Take the messages with ``keys`` from the mailbox, waiting up to ``timeout`` seconds.
+
+        A timeout is fatal: the error names the peers whose messages did not come.
+        """
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        with self._cond:
+            while True:
+                if self.error is not None:
+                    raise CommError(self.error)
+                missing = [k for k in keys if k not in self._mailbox]
+                if not missing:
+                    return [self._mailbox.pop(k) for k in keys]
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(min(left, 0.5))
+        who = ", ".join(sorted({self.name_of((k[1], k[2])) for k in missing}))
+        self.fatal(f"{self.name}: timed out after {self.timeout:g} s waiting for {what} from {who}")
+        raise CommError(self.error)
+
+    # ---------------------------------------------------------------------------- liveness
+    def _heartbeat_loop(self) -> None:
+        interval = max(0.05, min(1.0, self.timeout / 5))
+        while not self._stop.wait(interval):
+            for p in self.peers:
+                if p not in self._gone:
+                    self.send(p, header(pb.HEARTBEAT))
+            now = time.monotonic()
+            with self._cond:
+                late = [p for p in self.peers
+                        if p not in self._gone and now - self._last_seen[p] > self.timeout]
+                heard = set(self._heard)
+            for p in late:
+                if p in heard:
+                    self.fatal(f"lost {self.name_of(p)}: nothing heard for {self.timeout:g} s "
+                               "(the process died or hangs)")
+                else:
+                    self.fatal(f"{self.name_of(p)} did not come within {self.timeout:g} s "
+                               "(start-up barrier)")
+                return
+
+    def fatal(self, reason: str, propagate: bool = True) -> None:
+        """Stop this process's communication with ``reason``; tell every peer (once)."""
+        with self._cond:
+            if self.error is not None:
+                return
+            hint = self.snapshot_hint() if self.snapshot_hint else None
+            if hint is not None and "last good snapshot" not in reason:
+                reason += f"; last good snapshot: {hint}"
+            self.error = reason
+            self._cond.notify_all()
+        log.error("%s", reason)
+        if propagate:
+            self.broadcast([p for p in self.peers if p not in self._gone], header(pb.ABORT, reason=reason))
+        for cb in self.on_fatal:
+            cb(reason)
+        if self.exit_grace is not None:
+            # The training thread may be busy in a long compute; stop the process regardless.
+            threading.Timer(self.exit_grace, _hard_exit, (reason,)).start()
+
+    def all_gone(self, role: str) -> bool:
+        with self._cond:
+            return all(p in self._gone for p in self.peers if p[0] == role)
+
+    def wait_gone(self, role: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not all(p in self._gone for p in self.peers if p[0] == role):
+                if self.error is not None or time.monotonic() >= deadline:
+                    return False
+                self._cond.wait(0.2)
+        return True
+
+    def close(self, say_bye: bool = True) -> None:
+        if say_bye and self.error is None:
+            self.broadcast([p for p in self.peers if p not in self._gone], header(pb.BYE))
+        self._stop.set()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=2)
+        with self._send_lock:
+            for s in self._push.values():
+                s.close(linger=2000 if say_bye else 0)
+            self._push.clear()
+        self._pull.close(linger=0)
+        self._ctx.term()
+
+
+def _hard_exit(reason: str) -> None:
+    sys.stderr.write(f"poseidon: error: {reason}\n")
+    sys.stderr.flush()
+    os._exit(1)

@@ -1,0 +1,135 @@
+"""Caffe's DataTransformer: crop, mirror, mean subtraction and scaling of input images.
+
+For every output element, in this order (data_transformer.cpp):
+
+    out[c, h, w'] = (pixel[c, h_off + h, w_off + w] - mean) * scale,   w' = W-1-w if mirrored
+
+where ``mean`` is the mean file's value at the *uncropped* position (the mean image is as big
+as the input and is cut with the same crop offset) or ``mean_value[c]``; the arithmetic is
+float32 as in Caffe. The crop is random in TRAIN and centred ((H - crop) // 2) in TEST;
+mirroring is a coin flip when ``mirror`` is set, in either phase.
+
+Randomness comes from a Generator the caller passes per image; data layers derive it from
+the image's stream index so that crops do not depend on threads, workers or restarts.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..pb import caffe_pb2
+from .datum import DataError
+
+
+def read_mean_file(path: Path) -> np.ndarray:
+    """A mean .binaryproto (BlobProto, 1 x C x H x W) as a float32 (C, H, W) array."""
+    blob = caffe_pb2.BlobProto()
+    try:
+        blob.ParseFromString(Path(path).read_bytes())
+    except OSError as e:
+        raise DataError(f"cannot read mean file {path}: {e.strerror}") from None
+    except Exception as e:
+        raise DataError(f"mean file {path} is not a BlobProto: {e}") from None
+    if blob.HasField("shape"):
+        shape = tuple(int(d) for d in blob.shape.dim)
+    else:
+        shape = (blob.num, blob.channels, blob.height, blob.width)
+    values = np.asarray(blob.data if len(blob.data) else blob.double_data, dtype=np.float32)
+    if values.size != int(np.prod(shape)) or values.size == 0:
+        raise DataError(f"mean file {path}: shape {shape} but {values.size} values")
+    if len(shape) == 4 and shape[0] == 1:
+        shape = shape[1:]
+    if len(shape) != 3:
+        raise DataError(f"mean file {path}: expected a 1 x C x H x W blob, got shape {shape}")
+    return values.reshape(shape)
+
+
+def write_mean_file(path: Path, mean: np.ndarray) -> None:
+    """Write a (C, H, W) mean as compute_image_mean does (legacy num/channels/height/width)."""
+    c, h, w = mean.shape
+    blob = caffe_pb2.BlobProto(num=1, channels=c, height=h, width=w)
+    blob.data.extend(np.asarray(mean, dtype=np.float32).ravel().tolist())
+    Path(path).write_bytes(blob.SerializeToString())
+
+
+class DataTransformer:
+    """Applies one TransformationParameter; ``where`` names the layer in error messages."""
+
+    def __init__(self, param: "caffe_pb2.TransformationParameter", phase: str,
+                 mean_path: Path | None = None, where: str = "data"):
+        self.phase = phase
+        self.where = where
+        self.scale = np.float32(param.scale)
+        self.mirror = bool(param.mirror)
+        self.crop_size = int(param.crop_size)
+        if param.force_color and param.force_gray:
+            raise DataError(f"{where}: cannot set both force_color and force_gray")
+        #: colour mode for decoding encoded images (None = as stored)
+        self.color: bool | None = True if param.force_color else False if param.force_gray else None
+        if param.HasField("mean_file") and len(param.mean_value):
+            raise DataError(f"{where}: cannot specify mean_file and mean_value at the same time")
+        self.mean_path = mean_path
+        self.mean: np.ndarray | None = read_mean_file(mean_path) if mean_path is not None else None
+        self.mean_values = np.asarray(param.mean_value, dtype=np.float32)
+
+    @property
+    def random(self) -> bool:
+        """True when the output depends on a random draw (random crop or mirror)."""
+        return self.mirror or (self.crop_size > 0 and self.phase == "TRAIN")
+
+    def output_shape(self, shape: tuple[int, int, int]) -> tuple[int, int, int]:
+        """Caffe's InferBlobShape for one CHW input; checks the input against the parameters."""
+        c, h, w = shape
+        if self.crop_size and (h < self.crop_size or w < self.crop_size):
+            raise DataError(f"{self.where}: crop_size {self.crop_size} is larger than the "
+                            f"{h}x{w} input")
+        if self.mean is not None and self.mean.shape != tuple(shape):
+            raise DataError(f"{self.where}: mean file {self.mean_path} has shape "
+                            f"{self.mean.shape} but the data is {tuple(shape)}")
+        if len(self.mean_values) not in (0, 1, c):
+            raise DataError(f"{self.where}: specify either 1 mean_value or as many as channels "
+                            f"({c}), got {len(self.mean_values)}")
+        if self.crop_size:
+            return c, self.crop_size, self.crop_size
+        return c, h, w
+
+    def _centred(self) -> np.ndarray | None:
+        """The per-element (or per-channel) value to subtract, shaped to broadcast over CHW."""
+        if self.mean is not None:
+            return self.mean
+        if len(self.mean_values):
+            return self.mean_values.reshape(-1, 1, 1)
+        return None
+
+    def transform(self, images: np.ndarray,
+                  rngs: list[np.random.Generator] | None = None) -> np.ndarray:
+        """Transform a batch (N, C, H, W) of uint8 or float32 images; float32 (N, C, h, w) out.
+
+        ``rngs`` (one Generator per image) is required when ``self.random``.
+        """
+        n, c, h, w = images.shape
+        _, oh, ow = self.output_shape((c, h, w))
+        mean = self._centred()
+        x = images.astype(np.float32)
+        if mean is not None:  # before the crop: the mean file is indexed at input positions
+            x -= mean
+        x *= self.scale
+        if not self.random:
+            if self.crop_size:  # TEST: centre crop, the same for every image
+                h0, w0 = (h - oh) // 2, (w - ow) // 2
+                x = x[:, :, h0:h0 + oh, w0:w0 + ow]
+            return np.ascontiguousarray(x)
+        if rngs is None or len(rngs) != n:
+            raise ValueError("a random transform needs one Generator per image")
+        out = np.empty((n, c, oh, ow), dtype=np.float32)
+        for i, rng in enumerate(rngs):
+            flip = self.mirror and bool(rng.integers(2))
+            if self.crop_size and self.phase == "TRAIN":
+                h0 = int(rng.integers(h - oh + 1))
+                w0 = int(rng.integers(w - ow + 1))
+            else:
+                h0, w0 = (h - oh) // 2, (w - ow) // 2
+            crop = x[i, :, h0:h0 + oh, w0:w0 + ow]
+            out[i] = crop[:, :, ::-1] if flip else crop
+        return out

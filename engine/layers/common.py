@@ -1,0 +1,537 @@
+"""Caffe's "common" layers: InnerProduct, Concat, Slice, Split, Flatten, Reshape, Eltwise,
+Softmax, Silence and ArgMax.
+
+Every layer computes what BVLC Caffe 1.0 computes, with one array code path for NumPy
+and CuPy (``xp``). Reshape and Flatten do not copy: their top is a view of the bottom.
+InnerProduct also hands the distributed communicator the two *sufficient factors* of its
+weight gradient (see ``InnerProductLayer.sufficient_factors``).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from .. import backend
+from ..blob import Blob
+from ..fillers import fill
+from .base import Layer, register
+
+
+def softmax(x: Any, axis: int, out: Any) -> Any:
+    """Softmax of ``x`` along ``axis`` into ``out`` (may be ``x``); the max is subtracted
+    first, as Caffe does, so large logits do not overflow."""
+    xp = backend.get_array_module(x)
+    xmax = x.max(axis=axis, keepdims=True)
+    xp.subtract(x, xmax, out=out)
+    xp.exp(out, out=out)
+    out /= out.sum(axis=axis, keepdims=True)
+    return out
+
+
+def _axis_slice(axis: int, start: int, stop: int) -> tuple[slice, ...]:
+    """Index selecting [start, stop) along ``axis`` and everything along the others."""
+    return (slice(None),) * axis + (slice(start, stop),)
+
+
+def _legacy_axis(layer: Layer, blob: Blob, param: Any, legacy: str) -> int:
+    """The axis from ``param.axis``, or from the V1-era field ``legacy`` (concat_dim,
+    slice_dim) which counts from 0 only."""
+    if param.HasField(legacy):
+        if param.HasField("axis"):
+            raise layer.fail(f"either axis or {legacy} may be given, not both")
+        value = getattr(param, legacy)
+        if not 0 <= value < blob.num_axes():
+            raise layer.fail(f"{legacy} {value} out of range for bottom shape {blob.shape}")
+        return value
+    return _canonical(layer, blob, param.axis)
+
+
+def _canonical(layer: Layer, blob: Blob, axis: int) -> int:
+    try:
+        return blob.canonical_axis(axis)
+    except ValueError:
+        raise layer.fail(f"axis {axis} out of range for bottom shape {blob.shape}") from None
+
+
+# ---------------------------------------------------------------------------------------
+@register("InnerProduct", "INNER_PRODUCT")
+class InnerProductLayer(Layer):
+    """Fully connected: ``top = bottom · Wᵀ + b`` with the bottom flattened to (M, K) at
+    ``axis`` (M = product of the dims before ``axis``, K = the product of the rest).
+
+    W has shape (N, K), or (K, N) with ``transpose: true`` (then ``top = bottom · W``).
+    """
+
+    exact_num_bottoms = 1
+    exact_num_tops = 1
+
+    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        p = self.param.inner_product_param
+        if p.num_output <= 0:
+            raise self.fail("inner_product_param.num_output must be positive")
+        self.num_output = p.num_output
+        self.bias_term = p.bias_term
+        self.transpose = p.transpose
+        self.axis = _canonical(self, bottom[0], p.axis)
+        self.k = bottom[0].count_range(self.axis)
+        xp = backend.get_array_module(bottom[0].data)
+        dtype = bottom[0].dtype
+        w_shape = (self.k, self.num_output) if self.transpose else (self.num_output, self.k)
+        self.blobs = [Blob(w_shape, dtype=dtype, xp=xp, name=f"{self.name}/0")]
+        fill(p.weight_filler, self.blobs[0])
+        if self.bias_term:
+            self.blobs.append(Blob((self.num_output,), dtype=dtype, xp=xp, name=f"{self.name}/1"))
+            fill(p.bias_filler, self.blobs[1])
+        self.param_propagate_down = [True] * len(self.blobs)
+        self._factors: tuple[Any, Any] | None = None
+
+    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        k = bottom[0].count_range(self.axis)
+        if k != self.k:
+            raise self.fail(f"input size incompatible with inner product parameters: bottom "
+                            f"shape {bottom[0].shape} gives {k} inputs per row at axis "
+                            f"{self.axis}, the weights expect {self.k}")
+        self.m = bottom[0].count_range(0, self.axis)
+        top[0].reshape(bottom[0].shape[:self.axis] + (self.num_output,))
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        xp = backend.get_array_module(bottom[0].data)
+        x = bottom[0].data.reshape(self.m, self.k)
+        w = self.blobs[0].data
+        y = top[0].data.reshape(self.m, self.num_output)
+        xp.matmul(x, w if self.transpose else w.T, out=y)
+        if self.bias_term:
+            y += self.blobs[1].data
+
+    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        xp = backend.get_array_module(top[0].diff)
+        dy = top[0].diff.reshape(self.m, self.num_output)
+        x = bottom[0].data.reshape(self.m, self.k)
+        w = self.blobs[0]
+        self._factors = None
+        if self.param_propagate_down[0]:
+            # dW = dyᵀ·x (or its transpose); one GEMM, accumulated as Caffe does
+            w.diff += (x.T @ dy) if self.transpose else (dy.T @ x)
+            self._factors = (dy, x)
+        if self.bias_term and self.param_propagate_down[1]:
+            self.blobs[1].diff += dy.sum(axis=0)
+        if propagate_down[0]:
+            dx = bottom[0].diff.reshape(self.m, self.k)
+            xp.matmul(dy, w.data.T if self.transpose else w.data, out=dx)
+
+    def sufficient_factors(self) -> tuple[Any, Any]:
+        """The two factors of the weight gradient the last ``backward`` added.
+
+        In DESIGN.md's notation (batch rows K, num_output N, inputs per row M) this returns
+        ``(u, v)`` with ``u`` the top diff as a (K, N) matrix and ``v`` the bottom data as a
+        (K, M) matrix, the batch dims before ``axis`` flattened into K. Without
+        ``transpose`` the weight is (N, M) and the gradient this backward added to it is
+        ``uᵀ · v``; with ``transpose: true`` the weight is (M, N) and the gradient added is
+        ``vᵀ · u``. None of it includes the bias gradient (the sum of ``u``'s rows).
+
+        Both are views of the blobs' arrays, not copies: they stay valid until the next
+        forward writes the bottom (or the next backward writes the top diff). A caller that
+        keeps them longer must copy them.
+        """
+        if self._factors is None:
+            raise self.fail("sufficient_factors() needs a backward pass that computed the "
+                            "weight gradient (param_propagate_down[0]) first")
+        return self._factors
+
+
+# ---------------------------------------------------------------------------------------
+@register("Concat", "CONCAT")
+class ConcatLayer(Layer):
+    """Joins its bottoms along ``axis`` (legacy ``concat_dim``)."""
+
+    min_bottoms = 1
+    exact_num_tops = 1
+
+    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        self.axis = _legacy_axis(self, bottom[0], self.param.concat_param, "concat_dim")
+
+    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        first = bottom[0].shape
+        total = 0
+        for i, b in enumerate(bottom):
+            s = b.shape
+            if len(s) != len(first) or s[:self.axis] + s[self.axis + 1:] != \
+                    first[:self.axis] + first[self.axis + 1:]:
+                raise self.fail(f"bottom {i} has shape {s}, bottom 0 has {first}: all dims "
+                                f"but axis {self.axis} must match")
+            total += s[self.axis]
+        top[0].reshape(first[:self.axis] + (total,) + first[self.axis + 1:])
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        xp = backend.get_array_module(top[0].data)
+        xp.concatenate([b.data for b in bottom], axis=self.axis, out=top[0].data)
+
+    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        offset = 0
+        for b, down in zip(bottom, propagate_down):
+            n = b.shape[self.axis]
+            if down:
+                b.diff[...] = top[0].diff[_axis_slice(self.axis, offset, offset + n)]
+            offset += n
+
+
+@register("Slice", "SLICE")
+class SliceLayer(Layer):
+    """Cuts its bottom along ``axis`` (legacy ``slice_dim``) at ``slice_point``s, or into
+    equal parts when none are given."""
+
+    exact_num_bottoms = 1
+    min_tops = 1
+
+    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        p = self.param.slice_param
+        self.axis = _legacy_axis(self, bottom[0], p, "slice_dim")
+        self.slice_points = list(p.slice_point)
+        if self.slice_points and len(self.slice_points) != len(top) - 1:
+            raise self.fail(f"{len(self.slice_points)} slice_point(s) for {len(top)} tops; "
+                            f"need one fewer than the tops")
+
+    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        shape = bottom[0].shape
+        dim = shape[self.axis]
+        if self.slice_points:
+            bounds = [0] + self.slice_points + [dim]
+            if any(b >= e for b, e in zip(bounds, bounds[1:])):
+                raise self.fail(f"slice_point {self.slice_points} must increase strictly "
+                                f"within (0, {dim}) (bottom shape {shape}, axis {self.axis})")
+        else:
+            if dim % len(top):
+                raise self.fail(f"cannot slice axis {self.axis} of size {dim} into "
+                                f"{len(top)} equal parts; give slice_point")
+            step = dim // len(top)
+            bounds = list(range(0, dim + 1, step))
+        self.bounds = bounds
+        for t, (b, e) in zip(top, zip(bounds, bounds[1:])):
+            t.reshape(shape[:self.axis] + (e - b,) + shape[self.axis + 1:])
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        for t, (b, e) in zip(top, zip(self.bounds, self.bounds[1:])):
+            t.data[...] = bottom[0].data[_axis_slice(self.axis, b, e)]
+
+    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        if propagate_down[0]:
+            xp = backend.get_array_module(bottom[0].diff)
+            xp.concatenate([t.diff for t in top], axis=self.axis, out=bottom[0].diff)
+
+
+@register("Split", "SPLIT")
+class SplitLayer(Layer):
+    """Hands one blob to several consumers: copies forward, sums the diffs backward."""
+
+    exact_num_bottoms = 1
+    min_tops = 1
+
+    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        for t in top:
+            if t is bottom[0]:
+                raise self.fail("does not allow in-place computation")
+            t.reshape(bottom[0].shape)
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        for t in top:
+            t.data[...] = bottom[0].data
+
+    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        if not propagate_down[0]:
+            return
+        xp = backend.get_array_module(bottom[0].diff)
+        if len(top) == 1:
+            bottom[0].diff[...] = top[0].diff
+            return
+        xp.add(top[0].diff, top[1].diff, out=bottom[0].diff)
+        for t in top[2:]:
+            bottom[0].diff += t.diff
+
+
+# ---------------------------------------------------------------------------------------
+class _ViewLayer(Layer):
+    """A layer whose top is its bottom under another shape, sharing memory (no copy).
+
+    The top's data is a view of the bottom's data; in backward the bottom's diff becomes a
+    view of the top's diff. The top keeps a diff array of its own until then, so whoever
+    writes the top diff never clobbers a bottom diff that is still being read.
+    """
+
+    exact_num_bottoms = 1
+    exact_num_tops = 1
+
+    def top_shape(self, bottom: Blob) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        if top[0] is bottom[0]:
+            raise self.fail("does not allow in-place computation")
+
+    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        shape = self.top_shape(bottom[0])
+        self._top_dims = shape
+        t = top[0]
+        t.data = bottom[0].data.reshape(shape)
+        if t.diff.shape != shape:
+            xp = backend.get_array_module(t.data)
+            t.diff = (t.diff.reshape(shape) if t.diff.size == t.data.size
+                      else xp.zeros_like(t.data))
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        # re-view each pass: an upstream layer may have rebound its array since reshape
+        top[0].data = bottom[0].data.reshape(self._top_dims)
+
+    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        if propagate_down[0]:
+            bottom[0].diff = top[0].diff.reshape(bottom[0].shape)
+
+
+@register("Flatten", "FLATTEN")
+class FlattenLayer(_ViewLayer):
+    """Collapses dims ``axis`` .. ``end_axis`` (inclusive) into one."""
+
+    def top_shape(self, bottom: Blob) -> tuple[int, ...]:
+        p = self.param.flatten_param
+        start = _canonical(self, bottom, p.axis)
+        end = _canonical(self, bottom, p.end_axis)
+        if end < start:
+            raise self.fail(f"end_axis {p.end_axis} comes before axis {p.axis} "
+                            f"for bottom shape {bottom.shape}")
+        s = bottom.shape
+        return s[:start] + (bottom.count_range(start, end + 1),) + s[end + 1:]
+
+
+@register("Reshape")
+class ReshapeLayer(_ViewLayer):
+    """Caffe's Reshape: ``shape`` replaces dims [axis, axis + num_axes) of the bottom;
+    a 0 copies the bottom's dim at that place, one -1 is inferred from the count."""
+
+    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        super().setup(bottom, top)
+        dims = list(self.param.reshape_param.shape.dim)
+        if any(d < -1 for d in dims):
+            raise self.fail(f"reshape_param.shape {dims}: dims must be >= -1")
+        if dims.count(-1) > 1:
+            raise self.fail(f"reshape_param.shape {dims}: at most one -1 (inferred) dim")
+        self.dims = dims
+
+    def top_shape(self, bottom: Blob) -> tuple[int, ...]:
+        p = self.param.reshape_param
+        n = bottom.num_axes()
+        # axis may equal num_axes (append at the end); -1 means "after the last axis"
+        start = p.axis if p.axis >= 0 else n + p.axis + 1
+        if not 0 <= start <= n:
+            raise self.fail(f"reshape_param.axis {p.axis} out of range for bottom shape "
+                            f"{bottom.shape}")
+        if p.num_axes < -1:
+            raise self.fail(f"reshape_param.num_axes must be >= -1, got {p.num_axes}")
+        end = n if p.num_axes == -1 else start + p.num_axes
+        if end > n:
+            raise self.fail(f"reshape_param axis {p.axis} + num_axes {p.num_axes} exceeds "
+                            f"the bottom's {n} axes (shape {bottom.shape})")
+        new = []
+        for i, d in enumerate(self.dims):
+            if d == 0:
+                if start + i >= n:
+                    raise self.fail(f"shape dim {i} is 0 (copy) but the bottom shape "
+                                    f"{bottom.shape} has no axis {start + i}")
+                d = bottom.shape[start + i]
+            new.append(d)
+        s = bottom.shape
+        if -1 in new:
+            known = bottom.count_range(0, start) * bottom.count_range(end)
+            for d in new:
+                known *= d if d != -1 else 1
+            if known == 0 or bottom.count % known:
+                raise self.fail(f"cannot infer the -1 dim of {self.dims}: bottom count "
+                                f"{bottom.count} (shape {s}) is not a multiple of {known}")
+            new[new.index(-1)] = bottom.count // known
+        shape = s[:start] + tuple(new) + s[end:]
+        count = 1
+        for d in shape:
+            count *= d
+        if count != bottom.count:
+            raise self.fail(f"cannot reshape bottom {s} (count {bottom.count}) to {shape} "
+                            f"(count {count})")
+        return shape
+
+
+# ---------------------------------------------------------------------------------------
+@register("Eltwise", "ELTWISE")
+class EltwiseLayer(Layer):
+    """Element-wise PROD, SUM (with per-bottom ``coeff``) or MAX of same-shaped bottoms."""
+
+    min_bottoms = 2
+    exact_num_tops = 1
+
+    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        p = self.param.eltwise_param
+        self.op = p.operation
+        self.coeffs = list(p.coeff) or [1.0] * len(bottom)
+        if p.coeff and self.op != p.SUM:
+            raise self.fail("eltwise_param.coeff is only allowed with operation SUM")
+        if len(self.coeffs) != len(bottom):
+            raise self.fail(f"{len(p.coeff)} coeff(s) for {len(bottom)} bottoms; "
+                            f"give one per bottom")
+        self.stable_prod_grad = p.stable_prod_grad
+        self.max_idx: Any = None
+
+    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        for i, b in enumerate(bottom[1:], 1):
+            if b.shape != bottom[0].shape:
+                raise self.fail(f"bottom {i} has shape {b.shape}, bottom 0 has "
+                                f"{bottom[0].shape}; all must match")
+        top[0].reshape(bottom[0].shape)
+        if self.op == self.param.eltwise_param.MAX:
+            xp = backend.get_array_module(bottom[0].data)
+            if self.max_idx is None or self.max_idx.shape != bottom[0].shape:
+                self.max_idx = xp.zeros(bottom[0].shape, dtype=xp.int32)
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        xp = backend.get_array_module(bottom[0].data)
+        p = self.param.eltwise_param
+        out = top[0].data
+        if self.op == p.PROD:
+            xp.multiply(bottom[0].data, bottom[1].data, out=out)
+            for b in bottom[2:]:
+                out *= b.data
+        elif self.op == p.SUM:
+            xp.multiply(bottom[0].data, self.coeffs[0], out=out)
+            for b, c in zip(bottom[1:], self.coeffs[1:]):
+                out += b.data if c == 1.0 else b.data * c
+        else:
+            # Caffe's tie rule: bottom 1 wins a tie with bottom 0, later bottoms never do
+            a, b = bottom[0].data, bottom[1].data
+            first = a > b
+            self.max_idx[...] = xp.where(first, 0, 1)
+            xp.maximum(a, b, out=out)
+            for i, blob in enumerate(bottom[2:], 2):
+                better = blob.data > out
+                self.max_idx[better] = i
+                xp.maximum(out, blob.data, out=out)
+
+    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        xp = backend.get_array_module(top[0].diff)
+        p = self.param.eltwise_param
+        dy = top[0].diff
+        for i, (b, down) in enumerate(zip(bottom, propagate_down)):
+            if not down:
+                continue
+            if self.op == p.PROD:
+                if self.stable_prod_grad:
+                    others = [o.data for j, o in enumerate(bottom) if j != i]
+                    xp.multiply(others[0], dy, out=b.diff)
+                    for o in others[1:]:
+                        b.diff *= o
+                else:
+                    xp.divide(top[0].data, b.data, out=b.diff)
+                    b.diff *= dy
+            elif self.op == p.SUM:
+                xp.multiply(dy, self.coeffs[i], out=b.diff)
+            else:
+                xp.multiply(dy, self.max_idx == i, out=b.diff)
+
+
+@register("Softmax", "SOFTMAX")
+class SoftmaxLayer(Layer):
+    """Softmax along ``softmax_param.axis`` (in place allowed)."""
+
+    exact_num_bottoms = 1
+    exact_num_tops = 1
+
+    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        self.axis = _canonical(self, bottom[0], self.param.softmax_param.axis)
+
+    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        top[0].reshape(bottom[0].shape)
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        softmax(bottom[0].data, self.axis, top[0].data)
+
+    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        if not propagate_down[0]:
+            return
+        xp = backend.get_array_module(top[0].diff)
+        y, dy = top[0].data, top[0].diff
+        dot = (dy * y).sum(axis=self.axis, keepdims=True)
+        xp.subtract(dy, dot, out=bottom[0].diff)
+        bottom[0].diff *= y
+
+
+@register("Silence", "SILENCE")
+class SilenceLayer(Layer):
+    """Swallows its bottoms (so they are not net outputs); their diff is zero."""
+
+    min_bottoms = 1
+    exact_num_tops = 0
+
+    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        pass
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        pass
+
+    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        for b, down in zip(bottom, propagate_down):
+            if down:
+                b.diff[...] = 0
+
+
+@register("ArgMax", "ARGMAX")
+class ArgMaxLayer(Layer):
+    """Indices (and with ``out_max_val`` the values) of the ``top_k`` largest entries.
+
+    Without ``axis`` each item's values are flattened and the top is (N, 1 or 2, top_k);
+    with ``axis`` the top is the bottom with that dim replaced by top_k, holding the
+    indices, or the values when ``out_max_val``. Order follows Caffe's sort on
+    (value, index) pairs: equal values rank the higher index first.
+    """
+
+    exact_num_bottoms = 1
+    exact_num_tops = 1
+
+    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        p = self.param.argmax_param
+        self.out_max_val = p.out_max_val
+        self.top_k = p.top_k
+        self.axis = _canonical(self, bottom[0], p.axis) if p.HasField("axis") else None
+        if self.top_k < 1:
+            raise self.fail("argmax_param.top_k must be at least 1")
+        span = bottom[0].shape[self.axis] if self.axis is not None else bottom[0].count_range(1)
+        if self.top_k > span:
+            raise self.fail(f"top_k {self.top_k} exceeds the {span} values it ranks "
+                            f"(bottom shape {bottom[0].shape})")
+
+    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        s = bottom[0].shape
+        if self.axis is not None:
+            shape = s[:self.axis] + (self.top_k,) + s[self.axis + 1:]
+        else:
+            shape = [s[0], 2 if self.out_max_val else 1, self.top_k]
+            shape = tuple(shape + [1] * (len(s) - 3))
+        top[0].reshape(shape)
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        xp = backend.get_array_module(bottom[0].data)
+        x = bottom[0].data
+        rows = (xp.moveaxis(x, self.axis, -1) if self.axis is not None
+                else x.reshape(x.shape[0], -1))
+        dim = rows.shape[-1]
+        # a stable sort of the reversed row puts the higher index first among equals
+        order = xp.argsort(-rows[..., ::-1], axis=-1, kind="stable")[..., :self.top_k]
+        idx = dim - 1 - order
+        if self.axis is not None:
+            out = xp.take_along_axis(rows, idx, axis=-1) if self.out_max_val else idx
+            top[0].data[...] = xp.moveaxis(out, -1, self.axis)
+            return
+        t = top[0].data.reshape(x.shape[0], -1, self.top_k)
+        t[:, 0, :] = idx
+        if self.out_max_val:
+            t[:, 1, :] = xp.take_along_axis(rows, idx, axis=-1)

@@ -1,0 +1,71 @@
+"""Caffe's `time` benchmark: average forward, backward and per-layer times of a net."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .net import Net
+
+
+@dataclass
+class LayerTime:
+    name: str
+    type: str
+    forward_ms: float
+    backward_ms: float
+
+
+@dataclass
+class TimingReport:
+    net: str
+    iterations: int
+    forward_ms: float
+    backward_ms: float
+    layers: list[LayerTime] = field(default_factory=list)
+
+    @property
+    def total_ms(self) -> float:
+        return self.forward_ms + self.backward_ms
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"net": self.net, "iterations": self.iterations,
+                "forward_ms": self.forward_ms, "backward_ms": self.backward_ms,
+                "forward_backward_ms": self.total_ms,
+                "layers": [vars(l) for l in self.layers]}
+
+
+def _sync() -> None:
+    """Wait for queued GPU work so wall-clock times mean something."""
+    from . import backend
+    if backend.xp_default() is not backend.np:
+        backend.xp_default().cuda.Device().synchronize()
+
+
+def time_net(net: Net, iterations: int = 50) -> TimingReport:
+    """Time ``iterations`` forward+backward passes layer by layer, after one warm-up pass,
+    as `caffe time` does (per-layer times are per iteration, averaged)."""
+    if iterations < 1:
+        raise ValueError(f"iterations must be positive, got {iterations}")
+    net.forward_prefilled()
+    net.backward()
+    n = len(net.layers)
+    fwd = [0.0] * n
+    bwd = [0.0] * n
+    clock = time.perf_counter
+    for _ in range(iterations):
+        for i in range(n):
+            start = clock()
+            net.forward_layer(i)
+            _sync()
+            fwd[i] += clock() - start
+        net.seed_loss_diffs()
+        for i in range(n - 1, -1, -1):
+            start = clock()
+            net.backward_layer(i)
+            _sync()
+            bwd[i] += clock() - start
+    scale = 1000.0 / iterations
+    layers = [LayerTime(name, layer.type, f * scale, b * scale)
+              for name, layer, f, b in zip(net.layer_names, net.layers, fwd, bwd)]
+    return TimingReport(net.name, iterations, sum(fwd) * scale, sum(bwd) * scale, layers)

@@ -1,0 +1,53 @@
+"""`poseidon time`: Caffe's `caffe time` — per-layer forward/backward times of a net."""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from .main import fail, user_errors
+
+
+@click.command("time")
+@click.option("--model", required=True, type=click.Path(dir_okay=False),
+              help="Net prototxt to time.")
+@click.option("--iterations", default=50, show_default=True, type=int,
+              help="Timed forward+backward passes (after one warm-up pass).")
+@click.option("--phase", default="TRAIN", type=click.Choice(["TRAIN", "TEST"]), show_default=True)
+@click.option("--gpu", type=int, default=None, help="Run on this GPU (needs CuPy).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def time_cmd(model: str, iterations: int, phase: str, gpu: int | None, as_json: bool) -> None:
+    """Average forward, backward and per-layer times, as `caffe time` prints them."""
+    from engine import backend
+    from engine.timing import time_net
+
+    if iterations < 1:
+        fail(f"--iterations must be positive, got {iterations}")
+    with user_errors():
+        if gpu is not None:
+            backend.use_gpu(gpu)
+        from engine.net import Net
+        net = Net(model, phase=phase)
+        report = time_net(net, iterations)
+    if as_json:
+        click.echo(json.dumps(report.as_dict(), indent=1))
+        return
+    if sys.stdout.isatty():
+        from rich.console import Console
+        from rich.table import Table
+        table = Table(title=f"{report.net}: {iterations} iterations (ms per iteration)")
+        for col in ("layer", "type", "forward", "backward"):
+            table.add_column(col, justify="left" if col in ("layer", "type") else "right")
+        for l in report.layers:
+            table.add_row(l.name, l.type, f"{l.forward_ms:.3f}", f"{l.backward_ms:.3f}")
+        table.add_row("total", "", f"{report.forward_ms:.3f}", f"{report.backward_ms:.3f}")
+        Console().print(table)
+        click.echo(f"Average Forward-Backward: {report.total_ms:.3f} ms.")
+        return
+    for l in report.layers:
+        click.echo(f"{l.name:>12}\tforward: {l.forward_ms:.5f} ms.")
+        click.echo(f"{l.name:>12}\tbackward: {l.backward_ms:.5f} ms.")
+    click.echo(f"Average Forward pass: {report.forward_ms:.5f} ms.")
+    click.echo(f"Average Backward pass: {report.backward_ms:.5f} ms.")
+    click.echo(f"Average Forward-Backward: {report.total_ms:.5f} ms.")
