@@ -24,14 +24,15 @@ def _store(blob: Blob, values: np.ndarray) -> None:
     blob.data[...] = xp.asarray(values.reshape(blob.shape), dtype=blob.data.dtype)
 
 
+def _legacy_dim(blob: Blob, axis: int) -> int:
+    """Caffe's LegacyShape: an axis the blob lacks counts as 1 (the channels of a 1-D blob)."""
+    return blob.shape[axis] if axis < blob.num_axes() else 1
+
+
 def _fans(blob: Blob) -> tuple[int, int]:
-    """Caffe's fan_in = count / num and fan_out = count / channels."""
-    shape = blob.shape
-    if not shape or shape[0] == 0:
-        raise FillerError(f"cannot compute fans of a blob with shape {shape}")
-    fan_in = blob.count // shape[0]
-    fan_out = blob.count // shape[1] if len(shape) > 1 and shape[1] else blob.count
-    return fan_in, fan_out
+    """Caffe's fan_in = count / num and fan_out = count / channels (never 0: fill skips
+    empty blobs)."""
+    return blob.count // _legacy_dim(blob, 0), blob.count // _legacy_dim(blob, 1)
 
 
 def _variance_n(param: Any, blob: Blob) -> float:
@@ -104,9 +105,7 @@ def _bilinear(param: Any, blob: Blob) -> None:
 
 def _positive_unitball(param: Any, blob: Blob) -> None:
     _no_sparse(param)
-    if not blob.shape or blob.shape[0] == 0:
-        raise FillerError(f"positive_unitball filler: empty blob shape {blob.shape}")
-    values = backend.rng().uniform(0.0, 1.0, blob.count).reshape(blob.shape[0], -1)
+    values = backend.rng().uniform(0.0, 1.0, blob.count).reshape(_legacy_dim(blob, 0), -1)
     _store(blob, values / values.sum(axis=1, keepdims=True))
 
 

@@ -18,8 +18,6 @@ COMMANDS = {
     "convert": "poseidon_cli.convert_cmd:convert",
     "data": "poseidon_cli.data_cmd:data",
     "device-query": "poseidon_cli.device_cmd:device_query",
-    "bench": "poseidon_cli.bench_cmd:bench",
-    "simulate": "poseidon_cli.simulate_cmd:simulate",
 }
 
 

@@ -61,6 +61,14 @@ def test_xavier_bounds_by_fan() -> None:
         assert abs(d.std() - bound / math.sqrt(3)) < 0.03 * bound
 
 
+def test_xavier_1d_blob_uses_count_for_fan_out() -> None:
+    # Caffe's legacy channels() of a 1-D blob is 1, so fan_out = count = 300, fan_in = 1.
+    d = filled('type: "xavier" variance_norm: FAN_OUT', (300,))
+    assert np.abs(d).max() <= math.sqrt(3 / 300)
+    d = filled('type: "xavier"', (300,))
+    assert np.abs(d).max() > 1.0  # bound sqrt(3 / fan_in) = sqrt(3)
+
+
 def test_msra_std_by_fan() -> None:
     shape = (128, 64, 3, 3)
     fan_in, fan_out = 64 * 9, 128 * 9

@@ -107,7 +107,7 @@ def test_backward_pruning_and_force_backward():
     body = ip("f1", "x", "o") + ip("tgt", "x", "t", extra="param { lr_mult: 0 } param { lr_mult: 0 }")
     net = Net(netparam(loss_net(body)))
     need = dict(zip(net.layer_names, net.layer_need_backward))
-    assert need == {"in": False, "f1": True, "tgt": False, "loss": True}
+    assert need == {"in": False, "x_in_0_split": False, "f1": True, "tgt": False, "loss": True}
     assert net.params["tgt"][0].diff.any() == False  # noqa: E712
     forced = Net(netparam(loss_net(body, force=True)))
     assert all(forced.layer_need_backward)
@@ -137,4 +137,4 @@ def test_on_layer_done_runs_in_reverse_order_and_outputs():
     out = net.forward(x=np.ones((4, 3)))
     assert set(out) == {"y", "loss"}
     net.backward(on_layer_done=seen.append)
-    assert seen == [3, 2, 1, 0]
+    assert seen == [4, 3, 2, 1, 0]  # in, split of x, f1, tgt, loss

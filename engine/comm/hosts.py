@@ -15,10 +15,12 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import CommError
+
 DEFAULT_PORT = 9999
 
 
-class HostsError(ValueError):
+class HostsError(CommError, ValueError):
     """A hosts file that cannot be used; the message names the file and line."""
 
 

@@ -28,6 +28,8 @@ class CommStats:
         self._intervals: dict[int, list[tuple[int, float, float]]] = defaultdict(list)  # round ->
         self._rounds: dict[int, int] = defaultdict(int)  # layer -> completed rounds
         self.layer_names: dict[int, str] = {}
+        #: run facts (rank, plan, ...) written alongside the counters
+        self.extra: dict[str, Any] = {}
 
     def add_bytes(self, layer: int, scheme: str, sent: bool, nbytes: int, network: bool) -> None:
         with self._lock:
@@ -41,9 +43,15 @@ class CommStats:
             self._wait[layer] += seconds
 
     def add_round(self, layer: int, rnd: int, released: float, applied: float) -> None:
+        """A worker finished round ``rnd`` of ``layer`` (released -> update applied)."""
         with self._lock:
             self._intervals[rnd].append((layer, released, applied))
-            self._rounds[layer] += 1
+        self.note_round(layer, rnd)
+
+    def note_round(self, layer: int, rnd: int) -> None:
+        """Round ``rnd`` of ``layer`` took place (per-iteration averages divide by the count)."""
+        with self._lock:
+            self._rounds[layer] = max(self._rounds[layer], rnd + 1)
 
     def summary(self) -> dict[str, Any]:
         """Per-layer bytes per round (network and all), wait seconds, and the hidden fraction."""
@@ -61,7 +69,7 @@ class CommStats:
                 comm += c
                 hidden += h
             iters = max(len(self._intervals), 1)
-            return {"layers": layers,
+            return {**self.extra, "layers": layers,
                     "wait_s_per_iter": sum(self._wait.values()) / iters,
                     "wait_s_by_layer": {str(k): v / iters for k, v in sorted(self._wait.items())},
                     "comm_s_per_iter": comm / iters,

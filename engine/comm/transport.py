@@ -26,6 +26,7 @@ import zmq
 
 from engine.pb import poseidon_pb2 as pb
 
+from .errors import CommError
 from .hosts import HostEntry
 from .stats import CommStats
 
@@ -41,10 +42,6 @@ MAX_FRAMES = 64
 _ROLE = {pb.WORKER: WORKER, pb.SHARD: SHARD}
 _ROLE_PB = {WORKER: pb.WORKER, SHARD: pb.SHARD}
 _SCHEME = {pb.PUSH: "ps", pb.SUM: "ps", pb.FACTORS: "sfb"}
-
-
-class CommError(RuntimeError):
-    """A communication failure that stops training; the message names the peer and the cause."""
 
 
 @dataclass
@@ -184,14 +181,18 @@ class Endpoint:
                 raise
             msg, reason = self._parse(frames)
             if msg is None:
-                self.dropped += 1
-                log.warning("%s: dropped a bad message: %s", self.name, reason)
+                self._drop(reason)
                 continue
             try:
                 self._dispatch(msg)
             except Exception as e:  # a bug in a handler must stop the run, not hang it
                 self.fatal(f"{self.name}: internal error handling a message from "
                            f"{self.name_of(msg.sender)}: {type(e).__name__}: {e}")
+
+    def _drop(self, reason: str) -> None:
+        self.dropped += 1
+        if self.dropped <= 10 or self.dropped % 1000 == 0:  # a flood must not flood the log
+            log.warning("%s: dropped a bad message (%d so far): %s", self.name, self.dropped, reason)
 
     def _parse(self, frames: list[zmq.Frame]) -> tuple[Message | None, str]:
         if not frames or len(frames) > MAX_FRAMES + 1:
@@ -201,7 +202,7 @@ class Endpoint:
         except Exception:
             return None, "header is not a poseidon.Header"
         if hdr.kind not in _SCHEME and hdr.kind not in (pb.HELLO, pb.LAYOUT, pb.READY, pb.HEARTBEAT,
-                                                        pb.BYE, pb.ABORT):
+                                                        pb.BYE, pb.ABORT, pb.CHECK):
             return None, f"unknown kind {hdr.kind}"
         if hdr.sender_role not in _ROLE:
             return None, f"unknown sender role {hdr.sender_role}"
@@ -223,7 +224,9 @@ class Endpoint:
                 return None, f"frame of {len(buf)} bytes for {meta.dtype}{tuple(meta.shape)}"
             arrays.append(np.frombuffer(buf, dtype=dt, count=n).reshape(tuple(meta.shape)))
         msg = Message(hdr, arrays)
-        if self.checker is not None and hdr.kind in _SCHEME:
+        if hdr.kind in _SCHEME:
+            if self.checker is None:
+                return None, f"{pb.Kind.Name(hdr.kind)} before this process can check it"
             reason = self.checker(msg)
             if reason is not None:
                 return None, f"from {self.name_of(sender)}: {reason}"
@@ -254,8 +257,7 @@ class Endpoint:
         with self._cond:
             key = msg.key()
             if key in self._mailbox:
-                self.dropped += 1
-                log.warning("%s: dropped a duplicate message from %s", self.name, self.name_of(sender))
+                self._drop(f"duplicate message from {self.name_of(sender)}")
                 return
             self._mailbox[key] = msg
             self._cond.notify_all()
@@ -312,14 +314,15 @@ class Endpoint:
                 reason += f"; last good snapshot: {hint}"
             self.error = reason
             self._cond.notify_all()
-        log.error("%s", reason)
         if propagate:
             self.broadcast([p for p in self.peers if p not in self._gone], header(pb.ABORT, reason=reason))
         for cb in self.on_fatal:
             cb(reason)
         if self.exit_grace is not None:
             # The training thread may be busy in a long compute; stop the process regardless.
-            threading.Timer(self.exit_grace, _hard_exit, (reason,)).start()
+            timer = threading.Timer(self.exit_grace, _hard_exit, (reason,))
+            timer.daemon = True
+            timer.start()
 
     def all_gone(self, role: str) -> bool:
         with self._cond:

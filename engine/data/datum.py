@@ -87,7 +87,8 @@ def resize_bilinear(hwc: np.ndarray, height: int, width: int) -> np.ndarray:
     img = hwc.astype(np.float64)
     rows = img[y0] * (1 - fy[:, :, None]) + img[y1] * fy[:, :, None]
     out = rows[:, x0] * (1 - fx[None]) + rows[:, x1] * fx[None]
-    return np.clip(np.rint(out), 0, 255).astype(np.uint8)
+    # OpenCV's fixed-point arithmetic rounds halves up
+    return np.clip(np.floor(out + 0.5), 0, 255).astype(np.uint8)
 
 
 def load_image(path: Path, is_color: bool = True, new_height: int = 0,

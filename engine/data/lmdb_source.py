@@ -12,10 +12,16 @@ is installed.
 """
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 from .datum import DataError
+
+class SourceNotFound(DataError):
+    """The database named by a data layer does not exist."""
+
 
 #: Caffe's own LMDB map size on 64-bit Linux; the file grows only as records are written.
 MAP_SIZE = 1 << 40
@@ -57,20 +63,49 @@ class DBSource:
         raise NotImplementedError
 
 
+# py-lmdb allows one Environment per database per process, and a TRAIN and a TEST net (or
+# several local workers' layers) may read the same one: share it, counting its users.
+_ENVS: dict[str, list[Any]] = {}
+_ENVS_LOCK = threading.Lock()
+
+
+def _acquire_env(path: Path) -> Any:
+    import lmdb
+    key = os.path.realpath(path)
+    with _ENVS_LOCK:
+        entry = _ENVS.get(key)
+        if entry is None:
+            # lock=False: shared read-only fixtures (and NFS) cannot take the writer lock file
+            env = lmdb.open(key, readonly=True, lock=False, readahead=False, subdir=True)
+            entry = _ENVS[key] = [env, 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def _release_env(path: Path) -> None:
+    key = os.path.realpath(path)
+    with _ENVS_LOCK:
+        entry = _ENVS[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            entry[0].close()
+            del _ENVS[key]
+
+
 class LMDBSource(DBSource):
     def __init__(self, path: Path):
         super().__init__(path)
         import lmdb
         if not (self.path / "data.mdb").is_file():
-            raise DataError(f"LMDB not found: {self.path}")
+            raise SourceNotFound(f"LMDB not found: {self.path}")
+        self._env = None
         try:
-            # lock=False: shared read-only fixtures (and NFS) cannot take the writer lock file
-            self._env = lmdb.open(str(self.path), readonly=True, lock=False, readahead=False,
-                                  subdir=True, max_readers=512)
+            self._env = _acquire_env(self.path)
             self._txn = self._env.begin(buffers=False)
             self._count = self._txn.stat()["entries"]
             self._cursor = self._txn.cursor()
         except lmdb.Error as e:
+            self.close()
             raise DataError(f"cannot open LMDB {self.path}: {e}") from None
         if self._count == 0:
             self.close()
@@ -86,9 +121,10 @@ class LMDBSource(DBSource):
         return self._cursor.key(), self._cursor.value()
 
     def close(self) -> None:
-        if getattr(self, "_env", None) is not None:
-            self._txn.abort()
-            self._env.close()
+        if self._env is not None:
+            if hasattr(self, "_txn"):
+                self._txn.abort()
+            _release_env(self.path)
             self._env = None
 
 
@@ -101,7 +137,7 @@ class LevelDBSource(DBSource):
             raise DataError(f"{self.path}: backend LEVELDB needs the plyvel package "
                             "(pip install plyvel), or convert the data set to LMDB") from None
         if not self.path.is_dir():
-            raise DataError(f"LevelDB not found: {self.path}")
+            raise SourceNotFound(f"LevelDB not found: {self.path}")
         self._db = plyvel.DB(str(self.path), create_if_missing=False)
         self._count = sum(1 for _ in self._db.iterator(include_value=False))
         if self._count == 0:

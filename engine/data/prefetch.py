@@ -24,7 +24,10 @@ class Prefetcher(Generic[T]):
                  name: str = "prefetch"):
         if depth < 1:
             raise ValueError("prefetch depth must be >= 1")
-        self._load = load
+        # Held weakly when it is a bound method (a layer's is): a layer dropped without close()
+        # is then freed at once, which stops its thread (__del__), with no cycle to wait for.
+        self._load_ref: Callable[[], Callable[[int], Any] | None] = (
+            weakref.WeakMethod(load) if hasattr(load, "__self__") else (lambda: load))
         self._step = step
         self._depth = depth
         self._name = name
@@ -38,12 +41,8 @@ class Prefetcher(Generic[T]):
         self._stop = threading.Event()
         self._queue = queue.Queue(maxsize=self._depth)
         self._next = start
-        # The thread holds the loader weakly (when it is a bound method, as a layer's is), so
-        # a layer dropped without close() is collected and its thread ends on its own.
-        load: Any = self._load
-        ref = weakref.WeakMethod(load) if hasattr(load, "__self__") else (lambda: load)
         self._thread = threading.Thread(
-            target=_produce, args=(ref, start, self._step, self._stop, self._queue),
+            target=_produce, args=(self._load_ref, start, self._step, self._stop, self._queue),
             name=self._name, daemon=True)
         self._thread.start()
 

@@ -18,31 +18,21 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import caffe_io
 from ..pb import caffe_pb2
 from .datum import DataError
 
 
 def read_mean_file(path: Path) -> np.ndarray:
     """A mean .binaryproto (BlobProto, 1 x C x H x W) as a float32 (C, H, W) array."""
-    blob = caffe_pb2.BlobProto()
     try:
-        blob.ParseFromString(Path(path).read_bytes())
-    except OSError as e:
-        raise DataError(f"cannot read mean file {path}: {e.strerror}") from None
-    except Exception as e:
-        raise DataError(f"mean file {path} is not a BlobProto: {e}") from None
-    if blob.HasField("shape"):
-        shape = tuple(int(d) for d in blob.shape.dim)
-    else:
-        shape = (blob.num, blob.channels, blob.height, blob.width)
-    values = np.asarray(blob.data if len(blob.data) else blob.double_data, dtype=np.float32)
-    if values.size != int(np.prod(shape)) or values.size == 0:
-        raise DataError(f"mean file {path}: shape {shape} but {values.size} values")
-    if len(shape) == 4 and shape[0] == 1:
-        shape = shape[1:]
-    if len(shape) != 3:
-        raise DataError(f"mean file {path}: expected a 1 x C x H x W blob, got shape {shape}")
-    return values.reshape(shape)
+        mean = caffe_io.read_blobproto(path)
+    except caffe_io.FormatError as e:
+        raise DataError(f"mean file: {e}") from None
+    shape = mean.shape[1:] if mean.ndim == 4 and mean.shape[0] == 1 else mean.shape
+    if len(shape) != 3 or mean.size == 0:
+        raise DataError(f"mean file {path}: expected a 1 x C x H x W blob, got shape {mean.shape}")
+    return mean.astype(np.float32).reshape(shape)
 
 
 def write_mean_file(path: Path, mean: np.ndarray) -> None:
@@ -50,7 +40,7 @@ def write_mean_file(path: Path, mean: np.ndarray) -> None:
     c, h, w = mean.shape
     blob = caffe_pb2.BlobProto(num=1, channels=c, height=h, width=w)
     blob.data.extend(np.asarray(mean, dtype=np.float32).ravel().tolist())
-    Path(path).write_bytes(blob.SerializeToString())
+    caffe_io.atomic_write_bytes(path, blob.SerializeToString())
 
 
 class DataTransformer:

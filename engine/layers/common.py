@@ -55,10 +55,10 @@ def _canonical(layer: Layer, blob: Blob, axis: int) -> int:
 # ---------------------------------------------------------------------------------------
 @register("InnerProduct", "INNER_PRODUCT")
 class InnerProductLayer(Layer):
-    """Fully connected: ``top = bottom · Wᵀ + b`` with the bottom flattened to (M, K) at
-    ``axis`` (M = product of the dims before ``axis``, K = the product of the rest).
-
-    W has shape (N, K), or (K, N) with ``transpose: true`` (then ``top = bottom · W``).
+    """Fully connected: ``top = bottom · Wᵀ + b`` with the bottom flattened at ``axis`` to
+    a (K, M) matrix (K rows = product of the dims before ``axis``, M inputs = product of the
+    rest; DESIGN.md's names). W has shape (N, M) for N = num_output, or (M, N) with
+    ``transpose: true`` (then ``top = bottom · W``).
     """
 
     exact_num_bottoms = 1
@@ -72,10 +72,11 @@ class InnerProductLayer(Layer):
         self.bias_term = p.bias_term
         self.transpose = p.transpose
         self.axis = _canonical(self, bottom[0], p.axis)
-        self.k = bottom[0].count_range(self.axis)
+        self.inputs = bottom[0].count_range(self.axis)
         xp = backend.get_array_module(bottom[0].data)
         dtype = bottom[0].dtype
-        w_shape = (self.k, self.num_output) if self.transpose else (self.num_output, self.k)
+        w_shape = ((self.inputs, self.num_output) if self.transpose
+                   else (self.num_output, self.inputs))
         self.blobs = [Blob(w_shape, dtype=dtype, xp=xp, name=f"{self.name}/0")]
         fill(p.weight_filler, self.blobs[0])
         if self.bias_term:
@@ -85,19 +86,19 @@ class InnerProductLayer(Layer):
         self._factors: tuple[Any, Any] | None = None
 
     def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        k = bottom[0].count_range(self.axis)
-        if k != self.k:
+        inputs = bottom[0].count_range(self.axis)
+        if inputs != self.inputs:
             raise self.fail(f"input size incompatible with inner product parameters: bottom "
-                            f"shape {bottom[0].shape} gives {k} inputs per row at axis "
-                            f"{self.axis}, the weights expect {self.k}")
-        self.m = bottom[0].count_range(0, self.axis)
+                            f"shape {bottom[0].shape} gives {inputs} inputs per row at axis "
+                            f"{self.axis}, the weights expect {self.inputs}")
+        self.rows = bottom[0].count_range(0, self.axis)
         top[0].reshape(bottom[0].shape[:self.axis] + (self.num_output,))
 
     def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
         xp = backend.get_array_module(bottom[0].data)
-        x = bottom[0].data.reshape(self.m, self.k)
+        x = bottom[0].data.reshape(self.rows, self.inputs)
         w = self.blobs[0].data
-        y = top[0].data.reshape(self.m, self.num_output)
+        y = top[0].data.reshape(self.rows, self.num_output)
         xp.matmul(x, w if self.transpose else w.T, out=y)
         if self.bias_term:
             y += self.blobs[1].data
@@ -105,8 +106,8 @@ class InnerProductLayer(Layer):
     def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
                  bottom: Sequence[Blob]) -> None:
         xp = backend.get_array_module(top[0].diff)
-        dy = top[0].diff.reshape(self.m, self.num_output)
-        x = bottom[0].data.reshape(self.m, self.k)
+        dy = top[0].diff.reshape(self.rows, self.num_output)
+        x = bottom[0].data.reshape(self.rows, self.inputs)
         w = self.blobs[0]
         self._factors = None
         if self.param_propagate_down[0]:
@@ -116,7 +117,7 @@ class InnerProductLayer(Layer):
         if self.bias_term and self.param_propagate_down[1]:
             self.blobs[1].diff += dy.sum(axis=0)
         if propagate_down[0]:
-            dx = bottom[0].diff.reshape(self.m, self.k)
+            dx = bottom[0].diff.reshape(self.rows, self.inputs)
             xp.matmul(dy, w.data.T if self.transpose else w.data, out=dx)
 
     def sufficient_factors(self) -> tuple[Any, Any]:
@@ -406,8 +407,7 @@ class EltwiseLayer(Layer):
         else:
             # Caffe's tie rule: bottom 1 wins a tie with bottom 0, later bottoms never do
             a, b = bottom[0].data, bottom[1].data
-            first = a > b
-            self.max_idx[...] = xp.where(first, 0, 1)
+            self.max_idx[...] = xp.where(a > b, 0, 1)
             xp.maximum(a, b, out=out)
             for i, blob in enumerate(bottom[2:], 2):
                 better = blob.data > out
@@ -514,8 +514,8 @@ class ArgMaxLayer(Layer):
         if self.axis is not None:
             shape = s[:self.axis] + (self.top_k,) + s[self.axis + 1:]
         else:
-            shape = [s[0], 2 if self.out_max_val else 1, self.top_k]
-            shape = tuple(shape + [1] * (len(s) - 3))
+            # Caffe keeps at least 3 axes and pads the rest with 1s
+            shape = (s[0], 2 if self.out_max_val else 1, self.top_k) + (1,) * (len(s) - 3)
         top[0].reshape(shape)
 
     def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:

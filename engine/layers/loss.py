@@ -100,13 +100,13 @@ class _ClassLabels:
         return values * v
 
 
-def _split_at(layer: Layer, blob: Blob, axis: int) -> tuple[int, int, int]:
-    """(outer, classes, inner) of ``blob`` around ``axis``."""
+def _split_at(layer: Layer, blob: Blob, axis: int) -> tuple[int, int, int, int]:
+    """(canonical axis, outer, classes, inner) of ``blob`` around ``axis``."""
     try:
         a = blob.canonical_axis(axis)
     except ValueError:
         raise layer.fail(f"axis {axis} out of range for bottom shape {blob.shape}") from None
-    return blob.count_range(0, a), blob.shape[a], blob.count_range(a + 1)
+    return a, blob.count_range(0, a), blob.shape[a], blob.count_range(a + 1)
 
 
 def _check_label_count(layer: Layer, label: Blob, outer: int, inner: int,
@@ -135,7 +135,7 @@ class SoftmaxWithLossLayer(LossLayer):
 
     def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
         super().reshape(bottom, top)
-        self.outer, self.classes, self.inner = _split_at(self, bottom[0], self.axis)
+        self.caxis, self.outer, self.classes, self.inner = _split_at(self, bottom[0], self.axis)
         _check_label_count(self, bottom[1], self.outer, self.inner, bottom[0], self.axis)
         if len(top) > 1:
             top[1].reshape(bottom[0].shape)
@@ -147,8 +147,7 @@ class SoftmaxWithLossLayer(LossLayer):
         xp = backend.get_array_module(bottom[0].data)
         if len(top) > 1:
             self.prob = top[1].data  # Caffe's top[1] shares the probabilities
-        a = bottom[0].canonical_axis(self.axis)
-        softmax(bottom[0].data, a, self.prob)
+        softmax(bottom[0].data, self.caxis, self.prob)
         self.labels = _ClassLabels(self, bottom[1].data, self.outer, self.inner,
                                    self.classes, self.ignore_label)
         p = self.labels.pick(self.prob.reshape(self.outer, self.classes, self.inner))
@@ -194,10 +193,10 @@ class SigmoidCrossEntropyLossLayer(LossLayer):
                             f"{bottom[1].shape}")
 
     def _valid(self, target: Any) -> Any:
-        xp = backend.get_array_module(target)
+        """Mask of the targets that count, or None when nothing is ignored."""
         if self.ignore_label is None:
             return None
-        return target.astype(xp.int64) != self.ignore_label
+        return target.astype(backend.get_array_module(target).int64) != self.ignore_label
 
     def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
         xp = backend.get_array_module(bottom[0].data)
@@ -209,8 +208,8 @@ class SigmoidCrossEntropyLossLayer(LossLayer):
         if valid is not None:
             ll = ll * valid
         count = x.size if valid is None else int(valid.sum())
-        outer = bottom[0].shape[0] if bottom[0].num_axes() else 1
-        self.normalizer = _normalizer(self.normalization, outer, x.size // max(outer, 1), count)
+        self.normalizer = _normalizer(self.normalization, bottom[0].shape[0],
+                                      bottom[0].count_range(1), count)
         top[0].data[...] = -ll.sum() / self.normalizer
 
     def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
@@ -282,7 +281,7 @@ class AccuracyLayer(Layer):
         self.ignore_label = ap.ignore_label if ap.HasField("ignore_label") else None
 
     def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        self.outer, self.classes, self.inner = _split_at(self, bottom[0], self.axis)
+        _, self.outer, self.classes, self.inner = _split_at(self, bottom[0], self.axis)
         if self.top_k > self.classes:
             raise self.fail(f"top_k {self.top_k} exceeds the number of classes {self.classes}")
         _check_label_count(self, bottom[1], self.outer, self.inner, bottom[0], self.axis)

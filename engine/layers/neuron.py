@@ -165,7 +165,7 @@ class ELULayer(NeuronLayer):
     def compute(self, x: Any, y: Any) -> None:
         xp = backend.get_array_module(x)
         negative = self.alpha * xp.expm1(xp.minimum(x, 0))
-        xp.copyto(y, xp.where(x > 0, x, negative.astype(x.dtype, copy=False)))
+        xp.copyto(y, xp.where(x > 0, x, negative))
 
     def gradient(self, x: Any, y: Any, dy: Any, dx: Any) -> None:
         xp = backend.get_array_module(dy)

@@ -28,10 +28,14 @@ class BatchNormLayer(Layer):
                                  else self.phase == "TEST")
         self.eps = float(p.eps)
         self.channels = 1 if bottom[0].num_axes() == 1 else bottom[0].shape[1]
-        for i, spec in enumerate(self.param.param[:3]):
-            if spec.lr_mult != 0:
-                raise self.fail(f"param {i} has lr_mult {spec.lr_mult}: batch normalization "
-                                "statistics cannot be learned (use a Scale layer)")
+        # As Caffe's LayerSetUp: the statistics get lr_mult 0 (added to the layer's own
+        # LayerParameter, so the Net and a saved prototxt see it); a learning rate is an error.
+        for i in range(3):
+            if i == len(self.param.param):
+                self.param.param.add(lr_mult=0.0)
+            elif self.param.param[i].lr_mult != 0:
+                raise self.fail(f"param {i} has lr_mult {self.param.param[i].lr_mult}: batch "
+                                "normalization statistics cannot be learned (use a Scale layer)")
         xp = backend.get_array_module(bottom[0].data)
         dtype = bottom[0].dtype
         self.blobs = [Blob((self.channels,), dtype=dtype, xp=xp, name=f"{self.name}/0"),

@@ -1,0 +1,279 @@
+"""`poseidon train --hosts`: start, wire up and supervise the processes of a distributed run.
+
+Started without a rank (none given, none in SLURM_PROCID / OMPI_COMM_WORLD_RANK / RANK), the
+launcher starts one worker process per local hosts entry (and, with ``--launch ssh``, one per
+remote entry over ssh) and supervises them: when any of them fails, every other one is stopped
+and the error names it; Ctrl-C stops them all. Each worker process (``--rank N``, by hand or
+from the launcher) starts its node's PS shard server as a child process, builds the Solver
+with ``RunContext(rank, P)``, meets every peer at the start-up barrier, prints the plan (rank
+0), trains with the DWBP syncer attached, and finally says BYE.
+
+Shard processes run ``python -m engine.comm.launcher shard --hosts H --index I``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from .errors import CommError
+from .hosts import HostEntry, is_local, local_addresses, parse_hosts
+from .planner import plan_layers, plan_table
+from .ps import DEFAULT_CHUNK_BYTES, ShardServer, make_layout
+from .stats import CommStats
+
+RANK_ENV = ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "RANK")
+#: after a fatal error, a process still busy computing is stopped this many seconds later
+EXIT_GRACE_S = 2.0
+
+
+def rank_from_env(environ: dict[str, str] | None = None) -> int | None:
+    env = os.environ if environ is None else environ
+    for var in RANK_ENV:
+        if env.get(var, "").strip():
+            try:
+                return int(env[var])
+            except ValueError:
+                raise CommError(f"{var}={env[var]!r} is not a rank number") from None
+    return None
+
+
+def worker_command(rank: int, solver: str, hosts: str, comm: str, timeout: float,
+                   chunk_bytes: int, weights: str | Sequence[str] | None, snapshot: str | None,
+                   gpu: Any, stats: str | None) -> list[str]:
+    """The command line of worker ``rank`` (the same `poseidon train`, with ``--rank``)."""
+    cmd = [sys.executable, "-m", "poseidon_cli.main", "train", "--solver", solver, "--hosts", hosts,
+           "--rank", str(rank), "--comm", comm, "--timeout", f"{timeout:g}"]
+    if chunk_bytes != DEFAULT_CHUNK_BYTES:
+        cmd += ["--chunk-bytes", str(chunk_bytes)]
+    for flag, value in (("--weights", weights), ("--snapshot", snapshot), ("--gpu", gpu)):
+        if value:
+            cmd += [flag, value if isinstance(value, str) else ",".join(map(str, value))
+                    if isinstance(value, (list, tuple)) else str(value)]
+    if stats is not None and rank == 0:
+        cmd += ["--stats", stats]
+    return cmd
+
+
+def ssh_command(entry: HostEntry, cmd: Sequence[str]) -> list[str]:
+    """Run ``cmd`` on ``entry``'s machine in the same directory (shared file system assumed)."""
+    remote = f"cd {shlex.quote(os.getcwd())} && exec {shlex.join(cmd)}"
+    return ["ssh", "-o", "BatchMode=yes", "-o", "ServerAliveInterval=5", entry.host, remote]
+
+
+def shard_command(index: int, hosts: str, timeout: float) -> list[str]:
+    return [sys.executable, "-m", "engine.comm.launcher", "shard", "--hosts", hosts,
+            "--index", str(index), "--timeout", f"{timeout:g}"]
+
+
+def last_snapshot(prefix: Path | None) -> str:
+    """The newest ``<prefix>_iter_N.solverstate[.h5]``, or 'none' (named in fatal errors)."""
+    if prefix is None or not prefix.parent.is_dir():
+        return "none"
+    pat = re.compile(re.escape(prefix.name) + r"_iter_(\d+)\.solverstate(\.h5)?$")
+    found = [(int(m.group(1)), p) for p in prefix.parent.iterdir() if (m := pat.match(p.name))]
+    return str(max(found)[1]) if found else "none"
+
+
+# ------------------------------------------------------------------------------- entry point
+def run_from_cli(solver: str, hosts: str, rank: int | None = None, comm: str = "hybrid",
+                 launch: str = "local", stats: str | None = None, timeout: float = 30.0,
+                 staleness: int = 0, weights: str | None = None, snapshot: str | None = None,
+                 gpu: Any = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, **_: Any) -> None:
+    """What `poseidon train --hosts H` does; raises CommError with a one-line message."""
+    if staleness:
+        raise CommError(f"--staleness {staleness}: only BSP (staleness 0) is implemented")
+    if launch not in ("local", "ssh"):
+        raise CommError(f"--launch must be 'local' or 'ssh', got {launch!r}")
+    if timeout <= 0:
+        raise CommError(f"--timeout must be positive, got {timeout:g}")
+    entries = parse_hosts(hosts)
+    rank = rank if rank is not None else rank_from_env()
+    if rank is None:
+        launch_all(entries, solver, hosts, comm, launch, stats, timeout, weights, snapshot, gpu,
+                   chunk_bytes)
+        return
+    if not 0 <= rank < len(entries):
+        raise CommError(f"--rank {rank} out of range: {hosts} lists {len(entries)} hosts")
+    run_worker(entries, rank, solver, hosts, comm, stats, timeout, weights, snapshot, gpu,
+               chunk_bytes)
+
+
+# ------------------------------------------------------------------------------ the launcher
+def launch_all(entries: list[HostEntry], solver: str, hosts: str, comm: str, launch: str,
+               stats: str | None, timeout: float, weights: str | None, snapshot: str | None,
+               gpu: Any, chunk_bytes: int) -> None:
+    local = local_addresses()
+    procs: dict[str, subprocess.Popen] = {}
+    remote = [e for e in entries if not is_local(e, local)]
+    if remote and launch != "ssh":
+        print(f"poseidon: {len(remote)} hosts are not this machine; start them with "
+              f"`poseidon train ... --rank N` there (or use --launch ssh): "
+              + ", ".join(f"rank {e.rank} at {e}" for e in remote), file=sys.stderr)
+    try:
+        for e in entries:
+            cmd = worker_command(e.rank, solver, hosts, comm, timeout, chunk_bytes, weights,
+                                 snapshot, gpu, stats)
+            if not is_local(e, local):
+                if launch != "ssh":
+                    continue
+                cmd = ssh_command(e, cmd)
+            # own session: Ctrl-C reaches the launcher only, which then stops everything
+            procs[f"worker {e.rank} ({e})"] = subprocess.Popen(cmd, start_new_session=True)
+        supervise(procs)
+    except KeyboardInterrupt:
+        stop_all(procs)
+        raise CommError(f"interrupted: stopped all {len(procs)} worker processes") from None
+    finally:
+        stop_all(procs)
+
+
+def supervise(procs: dict[str, subprocess.Popen], poll_s: float = 0.1) -> None:
+    """Wait for every process; the first that fails stops the others and names itself."""
+    running = dict(procs)
+    while running:
+        for name, p in list(running.items()):
+            rc = p.poll()
+            if rc is None:
+                continue
+            del running[name]
+            if rc != 0:
+                stop_all(running)
+                how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+                raise CommError(f"{name} {how}; stopped the other {len(running)} workers")
+        time.sleep(poll_s)
+
+
+def stop_all(procs: dict[str, subprocess.Popen], grace_s: float = 3.0) -> None:
+    """SIGTERM each process group (a worker and its shard), SIGKILL what is left after grace_s."""
+    alive = [p for p in procs.values() if p.poll() is None]
+    for p in procs.values():
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in alive:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs.values():
+        _signal_group(p, signal.SIGKILL)
+        if p.poll() is None:
+            p.wait()
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)  # the worker leads its group; its shard child is in it
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# -------------------------------------------------------------------------------- a worker
+def run_worker(entries: list[HostEntry], rank: int, solver_path: str, hosts: str, comm: str,
+               stats_path: str | None, timeout: float, weights: str | None,
+               snapshot: str | None, gpu: Any, chunk_bytes: int) -> None:
+    """Train as worker ``rank``: solver, own shard, barrier, plan, DWBP, BYE."""
+    from engine import backend, glog
+    from engine.context import RunContext
+    from engine.solver import Solver
+
+    from .bind import describe_net, ps_params
+    from .syncer import Syncer, open_worker
+
+    world = len(entries)
+    if gpu is not None:
+        backend.use_gpu(int(gpu))
+    solver = Solver(solver_path, context=RunContext(rank=rank, world_size=world), is_root=rank == 0)
+    for w in weights.split(",") if isinstance(weights, str) else weights or ():
+        if w:
+            solver.load_weights(w)
+    try:
+        prefix: Path | None = solver.snapshot_prefix()
+    except Exception:
+        prefix = None
+    slots, infos = describe_net(solver.net)
+    plans = plan_layers(infos, world, comm=comm, allow_sfb=solver.param.iter_size == 1)
+    schemes = {p.info.layer: p.scheme for p in plans}
+    layout = make_layout(ps_params(slots, schemes), world, chunk_bytes)
+    if rank == 0:
+        glog.info(plan_table(plans, world))
+    stats = CommStats()
+    stats.extra["plan"] = [{"layer": p.info.name, "shapes": p.info.shapes, "scheme": p.scheme,
+                            "bytes_per_node": p.bytes_per_node, "ps_bytes": p.ps_bytes,
+                            "sfb_bytes": p.sfb_bytes, "ring_bytes": p.ring_bytes} for p in plans]
+    stats.extra.update(rank=rank, world_size=world, comm=comm)
+    shard = subprocess.Popen(shard_command(rank, hosts, timeout))
+    sync = None
+    try:
+        ep = open_worker(rank, entries, timeout=timeout, stats=stats,
+                            exit_grace=EXIT_GRACE_S, snapshot_hint=lambda: last_snapshot(prefix))
+        display = solver.param.display
+
+        def report(rnd: int) -> None:
+            if rank == 0 and display and (rnd + 1) % display == 0:
+                for line in stats.format_lines():
+                    glog.info(line)
+
+        sync = Syncer(ep, slots, schemes, layout, solver.update_layer, on_round_done=report)
+        solver.attach_sync(sync)
+        solver.solve(resume_file=snapshot)
+        solver.close()  # waits for the last updates, says BYE
+        sync = None
+        shard.wait(timeout=timeout)
+        if shard.returncode:
+            raise CommError(f"shard {rank} ({entries[rank].host}:{entries[rank].shard_port}) "
+                            f"exited with code {shard.returncode}")
+    finally:
+        if sync is not None:
+            sync.close()
+        if stats_path is not None and rank == 0:
+            stats.write_json(stats_path)
+        if shard.poll() is None:
+            shard.terminate()
+            try:
+                shard.wait(3)
+            except subprocess.TimeoutExpired:
+                shard.kill()
+                shard.wait()
+
+
+# --------------------------------------------------------------------------------- a shard
+def run_shard(index: int, hosts: str, timeout: float) -> int:
+    entries = parse_hosts(hosts)
+    srv = ShardServer(index, entries, timeout=timeout, exit_grace=EXIT_GRACE_S)
+    try:
+        srv.start()
+        srv.serve()
+    except CommError as e:
+        print(f"poseidon: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        srv.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m engine.comm.launcher")
+    sub = ap.add_subparsers(dest="what", required=True)
+    sh = sub.add_parser("shard", help="run one node's parameter-server shard")
+    sh.add_argument("--hosts", required=True)
+    sh.add_argument("--index", type=int, required=True)
+    sh.add_argument("--timeout", type=float, default=30.0)
+    args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    try:
+        return run_shard(args.index, args.hosts, args.timeout)
+    except CommError as e:
+        print(f"poseidon: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

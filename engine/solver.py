@@ -1,0 +1,653 @@
+"""The Solver: Caffe's training loop (nets from a SolverParameter, step, test, snapshot, restore).
+
+Semantics are Caffe 1.0's solver.cpp / sgd_solver.cpp, line for line where it matters for the
+numbers and the log (Caffe's tools parse the log). Two things go beyond Caffe:
+
+- **A per-layer update, for the communicator.** ``update_layer(l)`` applies the update of the
+  parameters that layer ``l`` owns. With a sync attached (``attach_sync``), the last backward
+  pass of an iteration hands each finished layer to ``sync.release(l)``, which averages the
+  gradients over the workers and calls ``update_layer(l)`` back; the next forward calls
+  ``sync.wait(l)`` before layer ``l`` runs (wait-free backpropagation, DESIGN.md).
+- **Exact resume.** The solverstate records the train data layers' stream positions
+  (SolverState.data_position, a Poseidon field Caffe ignores); a Caffe solverstate, which has
+  none, resumes where Caffe's uninterrupted run would be: iter * batch * iter_size.
+"""
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+
+from . import backend, glog
+from .context import RunContext
+from .data import layers as _data_layers  # noqa: F401  registers Data, ImageData, HDF5Data, MemoryData
+from .pb import caffe_pb2
+from .solvers import SolverError, check_lr_policy, clip_scale, learning_rate, make_rule, \
+    normalize, regularize, solver_type
+
+f32 = np.float32
+
+
+class GradientSync(Protocol):
+    """What the communicator plugs into the loop (engine.comm's syncer implements it)."""
+
+    def release(self, layer_index: int) -> None:
+        """Layer's local gradients are final: make them the global mean, then call
+        ``solver.update_layer(layer_index)`` (on any thread)."""
+
+    def wait(self, layer_index: int) -> None:
+        """Block until the layer's update from the previous iteration is applied."""
+
+    def wait_all(self) -> None:
+        """Block until every released layer is updated."""
+
+    def close(self) -> None:
+        """Stop the communication threads."""
+
+
+@dataclass
+class TestResult:
+    """Mean outputs of a test pass: (blob name, mean value, loss weight) per output element."""
+
+    scores: list[tuple[str, float, float]] = field(default_factory=list)
+    loss: float = 0.0
+
+
+def loss_weights(net: Any) -> dict[str, float]:
+    """Blob name -> loss weight for the net's loss outputs (Caffe's blob_loss_weights)."""
+    by_id = {id(net.top_vecs[li][j]): w for li, j, w in net._loss_tops}
+    return {name: by_id[id(blob)] for name, blob in net.blobs.items() if id(blob) in by_id}
+
+
+def run_test_passes(net: Any, iterations: int,
+                    on_batch: Callable[[int, str, float], None] | None = None,
+                    interrupted: Callable[[], bool] | None = None) -> TestResult | None:
+    """Forward ``net`` ``iterations`` times, summing every output element in float32 as
+    Caffe does; returns the means, or None when ``interrupted()`` said stop."""
+    weights = loss_weights(net)
+    sums: list[Any] = []
+    names: list[str] = []
+    loss = f32(0)
+    for i in range(iterations):
+        if interrupted is not None and interrupted():
+            return None
+        loss += f32(net.forward_prefilled())
+        k = 0
+        for name in net.output_blob_names:
+            for value in backend.to_numpy(net.blobs[name].data).astype(np.float32).ravel():
+                if i == 0:
+                    sums.append(value)
+                    names.append(name)
+                else:
+                    sums[k] += value
+                k += 1
+                if on_batch is not None:
+                    on_batch(i, name, float(value))
+    n = f32(max(iterations, 1))
+    return TestResult([(name, float(s / n), weights.get(name, 0.0)) for name, s in zip(names, sums)],
+                      float(loss / n))
+
+
+def score_line(name: str, value: float, weight: float) -> str:
+    """``name = v`` plus Caffe's `` (* w = x loss)`` for a loss output."""
+    tail = f" (* {glog.fmt(weight)} = {glog.fmt(f32(weight) * f32(value))} loss)" if weight else ""
+    return f"{name} = {glog.fmt(value)}{tail}"
+
+
+class Solver:
+    """Caffe's Solver for every update rule; only the root rank logs, tests and snapshots."""
+
+    def __init__(self, solver: str | Path | Any, context: RunContext | None = None,
+                 is_root: bool = True):
+        from . import caffe_io
+
+        context = context or RunContext()
+        if isinstance(solver, (str, Path)):
+            path = Path(solver)
+            if not path.is_file():
+                raise SolverError(f"solver file {path} not found")
+            self.source = str(path)
+            param = caffe_io.read_solver_prototxt(path)
+            base_dirs = [path.parent, *context.base_dirs]
+        else:
+            self.source = "<SolverParameter>"
+            param = caffe_pb2.SolverParameter()
+            param.CopyFrom(solver)
+            base_dirs = list(context.base_dirs)
+        if Path.cwd() not in base_dirs and Path(".") not in base_dirs:
+            base_dirs.append(Path.cwd())
+        self.context = RunContext(context.rank, context.world_size, base_dirs)
+        self.param = param
+        self.is_root = is_root
+        glog.set_enabled(is_root)
+        self._check_param()
+        self.type = solver_type(param)
+        self.rule = make_rule(param)
+        glog.info("Initializing solver from parameters: \n" + str(param))
+
+        # Every replica must start from the same weights: build with the solver's seed,
+        # then give each rank its own stream for dropout and the like (Caffe: seed + rank).
+        if param.random_seed >= 0:
+            backend.seed(param.random_seed)
+        self.net = self._build_train_net()
+        self.test_nets = self._build_test_nets()
+        if param.random_seed >= 0 and self.context.rank:
+            backend.seed(param.random_seed + self.context.rank)
+        glog.info("Solver scaffolding done.")
+
+        n = len(self.net.learnable_params)
+        self.history: list[Any] = [backend.get_array_module(p.data).zeros_like(p.data)
+                                   for _ in range(self.rule.histories)
+                                   for p in self.net.learnable_params]
+        self._layer_params: dict[int, list[int]] = {}
+        for i, li in enumerate(self.net.param_layer_index):
+            self._layer_params.setdefault(li, []).append(i)
+        self._n_params = n
+        self.iter = 0
+        self.current_step = 0
+        self.rate = 0.0
+        self._update_iter = 0
+        self.smoothed_loss = 0.0
+        self._losses: list[float] = []
+        self._sync: GradientSync | None = None
+        self._requests: list[str] = []
+        self._early_exit = False
+        self._progress: Any = None
+        for w in param.weights:
+            self.load_weights(self._resolve(w))
+
+    # -- construction ---------------------------------------------------------------------
+    def _check_param(self) -> None:
+        p = self.param
+        where = f"solver {self.source}"
+        if p.max_iter < 0:
+            raise SolverError(f"{where}: max_iter must be >= 0, got {p.max_iter}")
+        if p.average_loss < 1:
+            raise SolverError(f"{where}: average_loss must be >= 1, got {p.average_loss}")
+        if p.iter_size < 1:
+            raise SolverError(f"{where}: iter_size must be >= 1, got {p.iter_size}")
+        if p.regularization_type not in ("L1", "L2"):
+            raise SolverError(f"{where}: unknown regularization_type \"{p.regularization_type}\" "
+                              "(known: L1, L2)")
+        if any(n < 0 for n in p.test_iter) or p.test_interval < 0 or p.display < 0 or p.snapshot < 0:
+            raise SolverError(f"{where}: test_iter, test_interval, display and snapshot must be >= 0")
+        check_lr_policy(p)
+
+    def _resolve(self, path: str) -> Path:
+        return self.context.resolve(path)
+
+    def _read_net(self, name: str) -> tuple[Any, list[Path]]:
+        from .caffe_io import read_net_prototxt
+
+        path = self._resolve(name)
+        if not path.is_file():
+            raise SolverError(f"solver {self.source}: net file '{name}' not found (looked in "
+                              + ", ".join(str(d) for d in self.context.base_dirs) + ")")
+        return read_net_prototxt(path), [path.parent, *self.context.base_dirs]
+
+    def _make_net(self, param: Any, base_dirs: list[Path], phase: str, extra_state: Any) -> Any:
+        from .net import Net
+
+        # NetState precedence, as Caffe: the phase, then the net's own state, then the solver's
+        state = caffe_pb2.NetState()
+        state.phase = caffe_pb2.TRAIN if phase == "TRAIN" else caffe_pb2.TEST
+        state.MergeFrom(param.state)
+        if extra_state is not None:
+            state.MergeFrom(extra_state)
+        state.phase = caffe_pb2.TRAIN if phase == "TRAIN" else caffe_pb2.TEST
+        param.state.CopyFrom(state)
+        ctx = RunContext(self.context.rank, self.context.world_size, base_dirs)
+        return Net(param, phase=phase, level=state.level, context=ctx)
+
+    def _build_train_net(self) -> Any:
+        p = self.param
+        fields = [f for f in ("net", "net_param", "train_net", "train_net_param") if p.HasField(f)]
+        if not fields:
+            raise SolverError(f"solver {self.source}: no net: give one of net, net_param, "
+                              "train_net, train_net_param")
+        if len(fields) > 1:
+            raise SolverError(f"solver {self.source}: more than one train net "
+                              f"({', '.join(fields)}); give exactly one")
+        kind = fields[0]
+        if kind.endswith("_param"):
+            glog.info(f"Creating training net specified in {kind}.")
+            net_param = caffe_pb2.NetParameter()
+            net_param.CopyFrom(getattr(p, kind))
+            base_dirs = list(self.context.base_dirs)
+        else:
+            glog.info(f"Creating training net from {'net' if kind == 'net' else 'train_net'} "
+                      f"file: {getattr(p, kind)}")
+            net_param, base_dirs = self._read_net(getattr(p, kind))
+        return self._make_net(net_param, base_dirs, "TRAIN", p.train_state)
+
+    def _build_test_nets(self) -> list[Any]:
+        p = self.param
+        generic = [f for f in ("net", "net_param") if p.HasField(f)]
+        n_specific = len(p.test_net_param) + len(p.test_net)
+        where = f"solver {self.source}"
+        if (generic and len(p.test_iter) < n_specific) or (not generic and len(p.test_iter) != n_specific):
+            raise SolverError(f"{where}: test_iter must be given once for each test net "
+                              f"({n_specific} test nets, {len(p.test_iter)} test_iter)")
+        n_nets = len(p.test_iter)
+        if len(p.test_state) and len(p.test_state) != n_nets:
+            raise SolverError(f"{where}: test_state must be unspecified or given once per test net "
+                              f"({n_nets} test nets, {len(p.test_state)} test_state)")
+        if n_nets and p.test_interval <= 0:
+            raise SolverError(f"{where}: test_iter is given, so test_interval must be > 0")
+        specs: list[tuple[str, Any, list[Path]]] = []
+        for tp in p.test_net_param:
+            net_param = caffe_pb2.NetParameter()
+            net_param.CopyFrom(tp)
+            specs.append(("test_net_param", net_param, list(self.context.base_dirs)))
+        for name in p.test_net:
+            specs.append((f"test_net file: {name}", *self._read_net(name)))
+        while len(specs) < n_nets:
+            if p.HasField("net_param"):
+                net_param = caffe_pb2.NetParameter()
+                net_param.CopyFrom(p.net_param)
+                specs.append(("net_param", net_param, list(self.context.base_dirs)))
+            else:
+                specs.append((f"net file: {p.net}", *self._read_net(p.net)))
+        nets = []
+        for i, (source, net_param, base_dirs) in enumerate(specs):
+            if not self.is_root:
+                break  # only the root tests; other ranks skip building (and opening) test data
+            glog.info(f"Creating test net (#{i}) specified by {source}")
+            nets.append(self._make_net(net_param, base_dirs, "TEST",
+                                       p.test_state[i] if len(p.test_state) else None))
+        return nets
+
+    def load_weights(self, path: str | Path) -> None:
+        """Copy weights by layer name into the train net and every test net (Caffe's -weights)."""
+        from .caffe_io import copy_weights_into
+
+        path = Path(path)
+        if not path.is_file():
+            raise SolverError(f"weights file {path} not found")
+        for net in [self.net, *self.test_nets]:
+            copy_weights_into(net, path)
+
+    # -- the sync hook --------------------------------------------------------------------
+    def attach_sync(self, sync: GradientSync | None) -> None:
+        """Let ``sync`` average gradients per layer and drive ``update_layer`` (None: detach)."""
+        self._sync = sync
+
+    def update_layer(self, layer_index: int) -> None:
+        """Normalize, regularize, compute and apply the update of the params layer owns.
+
+        With clip_gradients set this does nothing: clipping needs the global norm, so the
+        loop applies every update at once (``apply_update``) after ``sync.wait_all()``.
+        """
+        if self.param.clip_gradients >= 0:
+            return
+        for i in self._layer_params.get(layer_index, ()):
+            self._update_param(i)
+
+    def apply_update(self) -> None:
+        """Caffe's ApplyUpdate for all parameters: clip, then each param's update."""
+        params = self.net.learnable_params
+        clipped = clip_scale([p.diff for p in params], self.param.clip_gradients)
+        if clipped is not None:
+            norm, scale = clipped
+            glog.info(f"Gradient clipping: scaling down gradients (L2 norm {glog.fmt(norm)} > "
+                      f"{glog.fmt(self.param.clip_gradients)}) by scale factor {glog.fmt(scale)}")
+            for p in params:
+                p.diff *= f32(scale)
+        for i in range(self._n_params):
+            self._update_param(i)
+
+    def _update_param(self, i: int) -> None:
+        p = self.param
+        blob = self.net.learnable_params[i]
+        normalize(blob.diff, p.iter_size)
+        regularize(blob.data, blob.diff, float(f32(p.weight_decay) * f32(self.net.params_weight_decay[i])),
+                   p.regularization_type)
+        local_rate = float(f32(self.rate) * f32(self.net.params_lr[i]))
+        hist = [self.history[k * self._n_params + i] for k in range(self.rule.histories)]
+        self.rule.compute(blob.diff, hist, local_rate, self._update_iter)
+        blob.data -= blob.diff
+
+    def _begin_update(self) -> None:
+        """Fix this iteration's rate before any of its updates can run (they may run on the
+        communicator's thread while the main thread already starts the next iteration)."""
+        self.rate, self.current_step = learning_rate(self.param, self.iter, self.current_step)
+        self._update_iter = self.iter
+
+    def _before_layer(self, layer_index: int) -> None:
+        self._sync.wait(layer_index)
+        # Caffe zeroes all diffs at the iteration's start; with a sync, a layer's previous
+        # update may still be in flight then, so each layer is zeroed once it is done.
+        for i in self._layer_params.get(layer_index, ()):
+            self.net.learnable_params[i].diff[...] = 0
+
+    def _wait_all(self) -> None:
+        if self._sync is not None:
+            self._sync.wait_all()
+
+    def close(self) -> None:
+        """Stop an attached sync and the data layers' prefetch threads."""
+        if self._sync is not None:
+            self._sync.close()
+            self._sync = None
+        for net in [self.net, *self.test_nets]:
+            for layer in net.data_layers:
+                if hasattr(layer, "close"):
+                    layer.close()
+
+    # -- the loop ----------------------------------------------------------------------------
+    def _forward_backward(self) -> float:
+        """iter_size forward/backward passes; the last one releases layers to the sync."""
+        sync = self._sync
+        n = self.param.iter_size
+        if sync is None:
+            self.net.clear_param_diffs()
+        loss = f32(0)
+        for k in range(n):
+            before = self._before_layer if sync is not None and k == 0 else None
+            loss += f32(self.net.forward_prefilled(before_layer=before))
+            if k == n - 1:
+                self._begin_update()
+            self.net.backward(on_layer_done=sync.release if sync is not None and k == n - 1 else None)
+        return float(loss / f32(n))
+
+    def _update_smoothed_loss(self, loss: float, start_iter: int) -> None:
+        average = self.param.average_loss
+        if len(self._losses) < average:
+            self._losses.append(loss)
+            size = len(self._losses)
+            self.smoothed_loss = float((f32(self.smoothed_loss) * f32(size - 1) + f32(loss)) / f32(size))
+        else:
+            idx = (self.iter - start_iter) % average
+            self.smoothed_loss = float(f32(self.smoothed_loss) + (f32(loss) - f32(self._losses[idx])) / f32(average))
+            self._losses[idx] = loss
+
+    def _take_request(self) -> str | None:
+        return self._requests.pop(0) if self._requests else None
+
+    def step(self, iters: int) -> None:
+        """Run ``iters`` iterations (Caffe's Solver::Step)."""
+        if iters < 0:
+            raise SolverError(f"iterations must be >= 0, got {iters}")
+        p = self.param
+        start_iter = self.iter
+        stop_iter = self.iter + iters
+        self._losses = []
+        self.smoothed_loss = 0.0
+        timer = time.perf_counter()
+        iter_last = self.iter
+        while self.iter < stop_iter:
+            if p.test_interval and self.iter % p.test_interval == 0 and \
+                    (self.iter > 0 or p.test_initialization):
+                if self.is_root:
+                    self._wait_all()
+                    self.test_all()
+                if self._early_exit:
+                    break
+            display = bool(p.display) and self.iter % p.display == 0
+            loss = self._forward_backward()
+            self._update_smoothed_loss(loss, start_iter)
+            if display:
+                lapse = time.perf_counter() - timer
+                per_s = (self.iter - iter_last) / (lapse or 1.0)
+                glog.info(f"Iteration {self.iter} ({glog.fmt(per_s)} iter/s, {glog.fmt(lapse)}s/"
+                          f"{p.display} iters), loss = {glog.fmt(self.smoothed_loss)}")
+                timer = time.perf_counter()
+                iter_last = self.iter
+                self._log_outputs()
+                glog.info(f"Iteration {self.iter}, lr = {glog.fmt(self.rate)}")
+            if self._sync is None:
+                self.apply_update()
+            elif p.clip_gradients >= 0:
+                self._sync.wait_all()
+                self.apply_update()
+            self.iter += 1
+            self._advance_progress(loss)
+            request = self._take_request()
+            if (p.snapshot and self.iter % p.snapshot == 0) or request == "snapshot":
+                self.snapshot()
+            if request == "stop":
+                self._early_exit = True
+                break
+
+    def _log_outputs(self) -> None:
+        weights = loss_weights(self.net)
+        k = 0
+        for name in self.net.output_blob_names:
+            for value in backend.to_numpy(self.net.blobs[name].data).astype(np.float32).ravel():
+                glog.info(f"    Train net output #{k}: {score_line(name, float(value), weights.get(name, 0.0))}")
+                k += 1
+
+    def solve(self, resume_file: str | Path | None = None) -> None:
+        """Train to max_iter (Caffe's Solver::Solve), resuming from a solverstate if given."""
+        p = self.param
+        glog.info(f"Solving {self.net.name}")
+        glog.info(f"Learning Rate Policy: {p.lr_policy}")
+        self._early_exit = False
+        if resume_file is not None:
+            glog.info(f"Restoring previous solver status from {resume_file}")
+            self.restore(resume_file)
+        start_iter = self.iter
+        restore_signals = self._install_signals()
+        self._start_progress()
+        try:
+            self.step(p.max_iter - self.iter)
+            self._wait_all()
+            if p.snapshot_after_train and (not p.snapshot or self.iter % p.snapshot != 0):
+                self.snapshot()
+            if self._early_exit:
+                glog.info("Optimization stopped early.")
+                return
+            if p.display and self.iter % p.display == 0:
+                loss = self.net.forward_prefilled()
+                self._update_smoothed_loss(loss, start_iter)
+                glog.info(f"Iteration {self.iter}, loss = {glog.fmt(self.smoothed_loss)}")
+            if p.test_interval and self.iter % p.test_interval == 0 and self.is_root:
+                self.test_all()
+            glog.info("Optimization Done.")
+        finally:
+            self._stop_progress()
+            restore_signals()
+
+    # -- testing ----------------------------------------------------------------------------
+    def test_all(self) -> list[TestResult | None]:
+        """Test every test net once (root only); a stop request ends it early."""
+        results = []
+        for i in range(len(self.test_nets)):
+            if self._early_exit:
+                break
+            results.append(self.test(i))
+        return results
+
+    def _handle_requests_while_testing(self) -> bool:
+        while (request := self._take_request()) is not None:
+            if request == "snapshot":
+                self.snapshot()
+            else:
+                self._early_exit = True
+        return self._early_exit
+
+    def test(self, test_net_id: int = 0) -> TestResult | None:
+        """Caffe's Solver::Test: test_iter forward passes with the train net's weights."""
+        glog.info(f"Iteration {self.iter}, Testing net (#{test_net_id})")
+        net = self.test_nets[test_net_id]
+        net.share_weights_from(self.net)
+        result = run_test_passes(net, self.param.test_iter[test_net_id],
+                                 interrupted=self._handle_requests_while_testing)
+        if result is None:
+            glog.info("Test interrupted.")
+            return None
+        if self.param.test_compute_loss:
+            glog.info(f"Test loss: {glog.fmt(result.loss)}")
+        for k, (name, value, weight) in enumerate(result.scores):
+            glog.info(f"    Test net output #{k}: {score_line(name, value, weight)}")
+        return result
+
+    # -- snapshots --------------------------------------------------------------------------
+    def snapshot_prefix(self) -> Path:
+        """snapshot_prefix: its folder is looked up beside the solver file first, then in the
+        working directory; a bare prefix (no folder) lands beside the solver file. Without a
+        prefix, the solver file's name (Caffe's later default)."""
+        p = self.param
+        if p.snapshot_prefix:
+            prefix = Path(p.snapshot_prefix)
+        elif self.source != "<SolverParameter>":
+            prefix = Path(Path(self.source).stem)
+        else:
+            raise SolverError("solver: snapshots need a snapshot_prefix")
+        if prefix.is_absolute():
+            return prefix
+        return self.context.resolve(str(prefix.parent)) / prefix.name
+
+    def snapshot_paths(self) -> tuple[Path, Path]:
+        """(weights, state) file names of a snapshot at the current iteration."""
+        h5 = self.param.snapshot_format == caffe_pb2.SolverParameter.HDF5
+        base = f"{self.snapshot_prefix()}_iter_{self.iter}"
+        return (Path(base + (".caffemodel.h5" if h5 else ".caffemodel")),
+                Path(base + (".solverstate.h5" if h5 else ".solverstate")))
+
+    def snapshot(self) -> tuple[Path, Path] | None:
+        """Write weights then solver state, each atomically (root only; others return None)."""
+        from .caffe_io import save_net, write_solverstate
+
+        if not self.is_root:
+            return None
+        self._wait_all()
+        model, state_path = self.snapshot_paths()
+        h5 = model.suffix == ".h5"
+        glog.info(f"Snapshotting to {'HDF5' if h5 else 'binary proto'} file {model}")
+        save_net(self.net, model, self.param.snapshot_diff)
+        glog.info(f"Snapshotting solver state to {'HDF5' if h5 else 'binary proto'} file {state_path}")
+        write_solverstate(state_path, self.solver_state(str(model)))
+        return model, state_path
+
+    def solver_state(self, learned_net: str = "") -> Any:
+        """The SolverState message of the current iteration (history in Caffe's layout)."""
+        from .caffe_io import array_to_blob
+
+        state = caffe_pb2.SolverState()
+        state.iter = self.iter
+        if learned_net:
+            state.learned_net = learned_net
+        state.current_step = self.current_step
+        for h in self.history:
+            state.history.add().CopyFrom(array_to_blob(h))
+        state.data_position.extend(layer.position() for layer in self.net.data_layers)
+        return state
+
+    def restore(self, path: str | Path) -> None:
+        """Load a .solverstate (binary, or HDF5 by its .h5 suffix) and the weights it names."""
+        from .caffe_io import copy_weights_into, read_solverstate, resolve_learned_net, \
+            solverstate_history
+
+        path = Path(path)
+        if not path.is_file():
+            raise SolverError(f"solverstate {path} not found")
+        state = read_solverstate(path)
+        histories = solverstate_history(state)
+        if len(histories) != len(self.history):
+            raise SolverError(
+                f"solverstate {path} has {len(histories)} history blobs, but a {self.type} solver "
+                f"on net '{self.net.name}' needs {len(self.history)} (a snapshot of another net "
+                "or solver type?)")
+        for k, (mine, theirs) in enumerate(zip(self.history, histories)):
+            if mine.size != theirs.size:
+                name = self.net.param_names[k % self._n_params]
+                raise SolverError(f"solverstate {path}: history blob {k} has {theirs.size} values, "
+                                  f"parameter {name} has shape {tuple(mine.shape)} (a snapshot of "
+                                  "another net?)")
+        if state.HasField("learned_net") and state.learned_net:
+            copy_weights_into(self.net, resolve_learned_net(path, state))
+        for mine, theirs in zip(self.history, histories):
+            mine[...] = backend.get_array_module(mine).asarray(theirs.reshape(mine.shape))
+        self.iter = state.iter
+        self.current_step = state.current_step
+        self._seek_data(list(state.data_position))
+
+    def _seek_data(self, positions: list[int]) -> None:
+        layers = self.net.data_layers
+        if positions and len(positions) != len(layers):
+            raise SolverError(f"solverstate records {len(positions)} data positions but net "
+                              f"'{self.net.name}' has {len(layers)} data layers")
+        if not positions:  # a Caffe solverstate: where Caffe's uninterrupted run would be
+            positions = [self.iter * layer.step * self.param.iter_size for layer in layers]
+        for layer, pos in zip(layers, positions):
+            layer.seek(int(pos))
+
+    # -- signals and progress ----------------------------------------------------------------
+    def request(self, action: str) -> None:
+        """Ask the loop to 'snapshot' (and go on) or 'stop' (snapshot and stop) at the next
+        iteration boundary; what SIGHUP and SIGINT do."""
+        if action not in ("snapshot", "stop"):
+            raise ValueError(f"unknown solver action {action!r}")
+        self._requests.append(action)
+
+    def _install_signals(self) -> Callable[[], None]:
+        """SIGINT: snapshot and stop (a second SIGINT interrupts at once); SIGHUP: snapshot."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, getattr(signal, "SIGHUP", None)) if s}
+
+        def on_int(signum: int, frame: Any) -> None:
+            if "stop" in self._requests:
+                raise KeyboardInterrupt
+            self.request("stop")
+
+        def on_hup(signum: int, frame: Any) -> None:
+            self.request("snapshot")
+
+        signal.signal(signal.SIGINT, on_int)
+        if hasattr(signal, "SIGHUP"):
+            signal.signal(signal.SIGHUP, on_hup)
+
+        def restore() -> None:
+            for s, h in previous.items():
+                signal.signal(s, h)
+        return restore
+
+    def _images_per_iter(self) -> int:
+        layers = self.net.data_layers
+        per_pass = sum(getattr(l, "step", 0) for l in layers[:1])
+        return per_pass * self.param.iter_size
+
+    def _start_progress(self) -> None:
+        if not (self.is_root and sys.stderr.isatty()):
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, \
+            TimeRemainingColumn
+
+        console = Console(stderr=True)
+        self._progress = Progress(TextColumn("iteration"), MofNCompleteColumn(), BarColumn(),
+                                  TextColumn("loss {task.fields[loss]}  lr {task.fields[lr]}  "
+                                             "{task.fields[ips]} img/s"),
+                                  TimeRemainingColumn(), console=console)
+        self._progress_task = self._progress.add_task("train", total=self.param.max_iter,
+                                                      completed=self.iter, loss="-", lr="-", ips="-")
+        self._progress_t0 = (time.perf_counter(), self.iter)
+        glog.set_printer(lambda line: console.print(line, markup=False, highlight=False,
+                                                    soft_wrap=True))
+        self._progress.start()
+
+    def _advance_progress(self, loss: float) -> None:
+        if self._progress is None:
+            return
+        t0, it0 = self._progress_t0
+        elapsed = time.perf_counter() - t0
+        ips = (self.iter - it0) * self._images_per_iter() / elapsed if elapsed > 0 else 0.0
+        self._progress.update(self._progress_task, completed=self.iter,
+                              loss=f"{self.smoothed_loss:.4g}", lr=f"{self.rate:.3g}",
+                              ips=f"{ips:.0f}")
+
+    def _stop_progress(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+            glog.set_printer(None)
+

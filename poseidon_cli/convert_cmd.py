@@ -1,0 +1,122 @@
+"""`poseidon convert`: move weights between .caffemodel, .caffemodel.h5 and .npz, upgrade old
+(V0/V1) prototxts and caffemodels to the current dialect, and `--info` to describe a file.
+
+Caffe's upgrade_net_proto_text / upgrade_net_proto_binary in one command: a binary caffemodel
+converted to a binary caffemodel keeps its full layer definitions, only upgraded.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+from google.protobuf import text_format
+
+from engine import caffe_io
+from engine.caffe_io import FormatError
+from engine.pb import caffe_pb2
+from poseidon_cli.main import fail
+
+TEXT_SUFFIXES = (".prototxt", ".pbtxt", ".txt")
+
+
+def _is_text(path: str) -> bool:
+    return path.lower().endswith(TEXT_SUFFIXES)
+
+
+def _read_text_proto(path: str) -> caffe_pb2.NetParameter | caffe_pb2.SolverParameter:
+    """A net prototxt, or a solver prototxt when it does not read as a net."""
+    try:
+        return caffe_io.read_net_prototxt(path)
+    except FormatError as net_error:
+        try:
+            return caffe_io.read_solver_prototxt(path)
+        except FormatError:
+            raise net_error from None
+
+
+def _convert(src: str, dst: str) -> str:
+    if _is_text(src) != _is_text(dst):
+        raise FormatError(f"cannot convert between a prototxt and a weights file: {src} -> {dst}")
+    if _is_text(src):
+        msg = _read_text_proto(src)
+        caffe_io.write_prototxt(dst, msg)
+        return f"wrote {dst} ({type(msg).__name__}, current format)"
+    if caffe_io.weights_format(src) == "binary" and caffe_io.format_by_name(dst) == "binary":
+        net = caffe_io.read_net_binary(src)  # upgraded, layer definitions kept
+        caffe_io.write_net_binary(dst, net)
+        return f"wrote {dst} ({len(net.layer)} layers, current format)"
+    weights = caffe_io.read_weights(src)
+    caffe_io.write_weights(dst, weights, name=Path(src).name.split(".")[0])
+    n_params = sum(int(a.size) for _, _, arrays in weights for a in arrays)
+    return f"wrote {dst} ({len(weights)} layers, {n_params:,} parameters)"
+
+
+def _info_rows(path: str) -> tuple[list[str], list[list[str]], str]:
+    """Column names, rows and a summary line describing `path`."""
+    if _is_text(path):
+        msg = _read_text_proto(path)
+        if isinstance(msg, caffe_pb2.SolverParameter):
+            # Text format prints enums by name and floats at their shortest (0.001, not 0.00100..).
+            rows = [line.split(": ", 1) for line in
+                    text_format.MessageToString(msg, as_one_line=False).splitlines()
+                    if ": " in line and not line.startswith(" ")]
+            return ["field", "value"], rows, f"{path}: solver, type {msg.type}"
+        rows = [[l.name, l.type, ", ".join(l.bottom), ", ".join(l.top)] for l in msg.layer]
+        return (["layer", "type", "bottom", "top"], rows,
+                f"{path}: net '{msg.name}', {len(msg.layer)} layers")
+    if caffe_io.weights_format(path) == "binary":
+        weights = caffe_io.net_to_weights(caffe_io.read_net_binary(path), path)
+    else:
+        weights = caffe_io.read_weights(path)
+    rows, total = [], 0
+    for name, layer_type, arrays in weights:
+        count = sum(int(a.size) for a in arrays)
+        total += count
+        shapes = ", ".join("x".join(str(d) for d in a.shape) or "scalar" for a in arrays)
+        rows.append([name, layer_type or "-", shapes or "-", f"{count:,}"])
+    return (["layer", "type", "parameter shapes", "count"], rows,
+            f"{path}: {len(weights)} layers, {total:,} parameters")
+
+
+def _print_table(columns: list[str], rows: list[list[str]], summary: str) -> None:
+    if sys.stdout.isatty():
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table()
+        for c in columns:
+            table.add_column(c, justify="right" if c == "count" else "left")
+        for r in rows:
+            table.add_row(*r)
+        console = Console()
+        console.print(summary, highlight=False)
+        console.print(table)
+        return
+    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
+    click.echo(summary)
+    click.echo("  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip())
+    for r in rows:
+        click.echo("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+
+
+@click.command("convert")
+@click.argument("src", metavar="IN", type=click.Path(dir_okay=False))
+@click.argument("dst", metavar="OUT", required=False, type=click.Path(dir_okay=False))
+@click.option("--info", is_flag=True, help="Describe IN (layers, parameter shapes and counts).")
+def convert(src: str, dst: str | None, info: bool) -> None:
+    """Convert IN to OUT by their suffixes: .caffemodel, .caffemodel.h5, .npz (arrays named
+    <layer>/<i>), or upgrade a V0/V1 .prototxt / .caffemodel to the current format."""
+    try:
+        if info:
+            if dst is not None:
+                fail("--info takes one file, not IN and OUT")
+            _print_table(*_info_rows(src))
+            return
+        if dst is None:
+            fail("missing OUT (or use --info IN)")
+        click.echo(_convert(src, dst))
+    except FormatError as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"{e.filename or dst}: {e.strerror or e}")

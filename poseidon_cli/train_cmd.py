@@ -1,0 +1,72 @@
+"""`poseidon train`: Caffe's `caffe train` — on one machine, or on many with --hosts."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from .main import fail, user_errors
+
+
+@click.command("train")
+@click.option("--solver", required=True, type=click.Path(dir_okay=False),
+              help="The solver .prototxt (Caffe's, unchanged).")
+@click.option("--weights", default=None,
+              help="Fine-tune from these weights: a.caffemodel[,b.caffemodel...] (.h5 too).")
+@click.option("--snapshot", default=None, type=click.Path(dir_okay=False),
+              help="Resume from this .solverstate (or .solverstate.h5).")
+@click.option("--gpu", type=int, default=None, help="Train on this GPU (needs CuPy).")
+@click.option("--hosts", default=None, type=click.Path(dir_okay=False),
+              help="Hosts file: train data-parallel on every host listed.")
+@click.option("--rank", type=int, default=None,
+              help="This process's rank in the hosts file (default: launch the local entries).")
+@click.option("--comm", type=click.Choice(["ps", "sfb", "hybrid"]), default="hybrid",
+              show_default=True, help="Gradient communication: sharded PS, SFB, or the "
+              "cheaper of the two per layer.")
+@click.option("--launch", type=click.Choice(["local", "ssh"]), default="local", show_default=True,
+              help="How to start the workers on other hosts.")
+@click.option("--stats", default=None, type=click.Path(dir_okay=False),
+              help="Write communication counters as JSON here.")
+@click.option("--timeout", type=float, default=30.0, show_default=True,
+              help="Seconds before a silent peer is declared lost.")
+@click.option("--staleness", type=int, default=0, show_default=True,
+              help="Bounded staleness (SSP) for PS layers; 0 = BSP.")
+def train(solver: str, weights: str | None, snapshot: str | None, gpu: int | None,
+          hosts: str | None, rank: int | None, comm: str, launch: str, stats: str | None,
+          timeout: float, staleness: int) -> None:
+    """Train a net from a Caffe solver, with Caffe's log lines and snapshots."""
+    if weights and snapshot:
+        fail("give --weights (fine-tune) or --snapshot (resume), not both")
+    if not Path(solver).is_file():
+        fail(f"solver file {solver} not found")
+    weight_files = [w for w in (weights or "").split(",") if w]
+    for w in weight_files:
+        if not Path(w).is_file():
+            fail(f"--weights: {w} not found")
+    if snapshot and not Path(snapshot).is_file():
+        fail(f"--snapshot: {snapshot} not found")
+    if hosts is not None:
+        from engine.comm.launcher import run_from_cli
+        with user_errors():
+            run_from_cli(solver=solver, weights=weight_files, snapshot=snapshot, gpu=gpu,
+                         hosts=hosts, rank=rank, comm=comm, launch=launch, stats=stats,
+                         timeout=timeout, staleness=staleness)
+        return
+
+    from engine import backend, glog
+    from engine.solver import Solver
+
+    with user_errors():
+        if gpu is not None:
+            backend.use_gpu(gpu)
+            glog.info(f"Use GPU with device ID {gpu}")
+        else:
+            glog.info("Use CPU.")
+        s = Solver(solver)
+        try:
+            for w in weight_files:
+                s.load_weights(w)
+            glog.info("Starting Optimization")
+            s.solve(snapshot)
+        finally:
+            s.close()

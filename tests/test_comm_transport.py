@@ -1,0 +1,141 @@
+"""Hosts files, the wire header, and validation: forged messages are dropped, the receiver lives."""
+from __future__ import annotations
+
+import random
+import socket
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from engine.comm.hosts import DEFAULT_PORT, HostsError, parse_hosts, parse_hosts_text
+from engine.comm.errors import CommError
+from engine.comm.transport import SHARD, WORKER, Endpoint, header, message_key
+from engine.pb import poseidon_pb2 as pb
+from tests.conftest import shared_path
+
+
+def free_base_port(n: int) -> int:
+    """A base port such that base .. base + 2n - 1 are all free on 127.0.0.1.
+
+    Drawn below the kernel's ephemeral range, where outgoing connections cannot take it.
+    """
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32000 - 2 * n)
+        socks = []
+        try:
+            for p in range(base, base + 2 * n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+def local_hosts(n: int):
+    base = free_base_port(n)
+    return parse_hosts_text("\n".join(f"127.0.0.1:{base + 2 * i}" for i in range(n)))
+
+
+def test_poseidon_hostfile_fixture():
+    entries = parse_hosts(shared_path("fixtures", "prototxt", "poseidon_v1__hostfile_localserver"))
+    assert [(e.rank, e.host, e.port, e.shard_port) for e in entries] == [(0, "127.0.0.1", 9999, 10000)]
+
+
+def test_ip_port_format_and_defaults():
+    entries = parse_hosts_text("# cluster\n10.0.0.1:7000\n10.0.0.2\n\n")
+    assert [(e.rank, e.host, e.port) for e in entries] == [(0, "10.0.0.1", 7000),
+                                                          (1, "10.0.0.2", DEFAULT_PORT + 2)]
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("0 127.0.0.1 9000\n0 127.0.0.1 9002", "id 0 appears twice"),
+    ("1 127.0.0.1 9000", "ids must be 0..0"),
+    ("127.0.0.1:9000\n127.0.0.1:9001", "collides"),
+    ("127.0.0.1:http", "not a number"),
+    ("a b", "expected"),
+    ("", "no hosts"),
+])
+def test_bad_hosts_files_name_the_line(text, needle):
+    with pytest.raises(HostsError, match=needle):
+        parse_hosts_text(text, "h.txt")
+
+
+def test_forged_messages_are_dropped_and_receiver_keeps_working():
+    hosts = local_hosts(2)
+    recv = Endpoint((WORKER, 0), hosts, [(WORKER, 1)], timeout=10)
+    shape = (3, 4)
+
+    def check(msg):
+        h = msg.header
+        if h.layer != 5:
+            return f"unknown layer {h.layer}"
+        if [a.shape for a in msg.arrays] != [shape]:
+            return "wrong shape"
+        return None
+
+    recv.checker = check
+    sender = Endpoint((WORKER, 1), hosts, [(WORKER, 0)], timeout=10)
+    raw = zmq.Context.instance().socket(zmq.PUSH)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(hosts[0].worker_addr())
+    try:
+        good = np.arange(12, dtype=np.float32).reshape(shape)
+        # forged: garbage bytes, a wrong shape, an unknown layer, a lying header, unknown sender
+        raw.send_multipart([b"\xff\x00garbage\x13"])
+        raw.send_multipart([b"\x08\x07\x10\x05"])  # kind 7 but role 5
+        sender.send((WORKER, 0), header(pb.FACTORS, layer=5), [np.zeros((4, 3), np.float32)])
+        sender.send((WORKER, 0), header(pb.FACTORS, layer=9, round=1), [good])
+        lying = header(pb.FACTORS, layer=5, sender_role=pb.WORKER, sender=1, round=2)
+        lying.arrays.add(dtype="<f4", shape=[100])
+        raw.send_multipart([lying.SerializeToString(), good.tobytes()])
+        stranger = header(pb.FACTORS, layer=5, sender_role=pb.SHARD, sender=7, round=3)
+        stranger.arrays.add(dtype="<f4", shape=[3, 4])
+        raw.send_multipart([stranger.SerializeToString(), good.tobytes()])
+        pickled = header(pb.FACTORS, layer=5, sender_role=pb.WORKER, sender=1, round=4)
+        pickled.arrays.add(dtype="|O", shape=[3, 4])
+        raw.send_multipart([pickled.SerializeToString(), good.tobytes()])
+        # then the real one
+        sender.send((WORKER, 0), header(pb.FACTORS, layer=5, round=0), [good])
+        [msg] = recv.wait_for([message_key(pb.FACTORS, (WORKER, 1), 0, 5)], "factors", timeout=5)
+        np.testing.assert_array_equal(msg.arrays[0], good)
+        deadline = time.monotonic() + 5
+        while recv.dropped < 7 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert recv.dropped == 7
+        assert recv.error is None
+    finally:
+        raw.close()
+        sender.close()
+        recv.close()
+
+
+def test_receive_timeout_names_who_is_missing():
+    hosts = local_hosts(3)
+    ep = Endpoint((WORKER, 0), hosts, [(WORKER, 1), (SHARD, 2)], timeout=0.6)
+    try:
+        with pytest.raises(CommError, match=r"waiting for sums from shard 2 \(127\.0\.0\.1:\d+\), worker 1"):
+            ep.wait_for([message_key(pb.SUM, (WORKER, 1)), message_key(pb.SUM, (SHARD, 2))], "sums",
+                        timeout=0.3)
+    finally:
+        ep.close(say_bye=False)
+
+
+def test_silent_peer_is_named_by_the_heartbeat_watchdog():
+    hosts = local_hosts(2)
+    ep = Endpoint((WORKER, 0), hosts, [(WORKER, 1)], timeout=0.5)
+    try:
+        deadline = time.monotonic() + 5
+        while ep.error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ep.error is not None and "worker 1 (127.0.0.1:" in ep.error
+        assert "did not come within 0.5 s" in ep.error
+    finally:
+        ep.close(say_bye=False)
