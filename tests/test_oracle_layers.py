@@ -39,7 +39,7 @@ def test_train_forward_backward_matches_caffe(oracle):
         for i, blob in enumerate(blobs):
             assert close(blob.data, ref[f"train/param/{layer}/{i}/init"]) == 0.0
     net.backward()
-    assert net.loss() == pytest.approx(float(ref["train/loss/loss"]), rel=1e-5)
+    assert net.loss() == pytest.approx(ref["train/loss/loss"].item(), rel=1e-5)
     worst = {}
     for key in ref.files:
         parts = key.split("/")
@@ -68,4 +68,4 @@ def test_test_phase_forward_matches_caffe(oracle):
         blob = key.split("/")[2]
         assert close(net.blobs[blob].data, ref[key]) <= TOL, key
     for out, value in manifest["test_outputs"].items():
-        assert float(net.blobs[out].data) == pytest.approx(value, rel=1e-5, abs=1e-6)
+        assert net.blobs[out].data.item() == pytest.approx(value, rel=1e-5, abs=1e-6)
