@@ -14,14 +14,14 @@ numbers and the log (Caffe's tools parse the log). Two things go beyond Caffe:
 """
 from __future__ import annotations
 
-import math
+import os
 import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -128,6 +128,7 @@ class Solver:
         self.is_root = is_root
         glog.set_enabled(is_root)
         self._check_param()
+        self._check_snapshot_prefix()
         self.type = solver_type(param)
         self.rule = make_rule(param)
         glog.info("Initializing solver from parameters: \n" + str(param))
@@ -179,6 +180,17 @@ class Solver:
         if any(n < 0 for n in p.test_iter) or p.test_interval < 0 or p.display < 0 or p.snapshot < 0:
             raise SolverError(f"{where}: test_iter, test_interval, display and snapshot must be >= 0")
         check_lr_policy(p)
+
+    def _check_snapshot_prefix(self) -> None:
+        """Caffe's CheckSnapshotWritePermissions: fail now, not after hours of training."""
+        p = self.param
+        if not self.is_root or not (p.snapshot or p.snapshot_after_train):
+            return
+        folder = Path(os.path.dirname(self._snapshot_base()) or ".")
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise SolverError(f"solver {self.source}: cannot write snapshots to prefix "
+                              f"'{p.snapshot_prefix}': folder {folder} does not exist or is not "
+                              "writable")
 
     def _resolve(self, path: str) -> Path:
         return self.context.resolve(path)
@@ -271,6 +283,7 @@ class Solver:
         path = Path(path)
         if not path.is_file():
             raise SolverError(f"weights file {path} not found")
+        glog.info(f"Finetuning from {path}")
         for net in [self.net, *self.test_nets]:
             copy_weights_into(net, path)
 
@@ -317,7 +330,10 @@ class Solver:
     def _begin_update(self) -> None:
         """Fix this iteration's rate before any of its updates can run (they may run on the
         communicator's thread while the main thread already starts the next iteration)."""
-        self.rate, self.current_step = learning_rate(self.param, self.iter, self.current_step)
+        step = self.current_step
+        self.rate, self.current_step = learning_rate(self.param, self.iter, step)
+        if self.param.lr_policy == "multistep" and self.current_step != step:
+            glog.info(f"MultiStep Status: Iteration {self.iter}, step = {self.current_step}")
         self._update_iter = self.iter
 
     def _before_layer(self, layer_index: int) -> None:
@@ -439,7 +455,9 @@ class Solver:
         try:
             self.step(p.max_iter - self.iter)
             self._wait_all()
-            if p.snapshot_after_train and (not p.snapshot or self.iter % p.snapshot != 0):
+            # a stop request (SIGINT) snapshots even when snapshot_after_train is off
+            if (p.snapshot_after_train or self._early_exit) and \
+                    (not p.snapshot or self.iter % p.snapshot != 0):
                 self.snapshot()
             if self._early_exit:
                 glog.info("Optimization stopped early.")
@@ -491,24 +509,28 @@ class Solver:
 
     # -- snapshots --------------------------------------------------------------------------
     def snapshot_prefix(self) -> Path:
+        """The resolved snapshot_prefix (see ``_snapshot_base``)."""
+        return Path(self._snapshot_base())
+
+    def _snapshot_base(self) -> str:
         """snapshot_prefix: its folder is looked up beside the solver file first, then in the
         working directory; a bare prefix (no folder) lands beside the solver file. Without a
-        prefix, the solver file's name (Caffe's later default)."""
+        prefix: the solver file's name (later Caffe's default), or "" for a SolverParameter
+        given in memory (Caffe 1.0: files named ``_iter_N.caffemodel``)."""
         p = self.param
         if p.snapshot_prefix:
             prefix = Path(p.snapshot_prefix)
         elif self.source != "<SolverParameter>":
             prefix = Path(Path(self.source).stem)
         else:
-            raise SolverError("solver: snapshots need a snapshot_prefix")
-        if prefix.is_absolute():
-            return prefix
-        return self.context.resolve(str(prefix.parent)) / prefix.name
+            prefix = Path("")
+        folder = prefix.parent if prefix.is_absolute() else self.context.resolve(str(prefix.parent))
+        return os.path.join(folder, prefix.name)
 
     def snapshot_paths(self) -> tuple[Path, Path]:
         """(weights, state) file names of a snapshot at the current iteration."""
         h5 = self.param.snapshot_format == caffe_pb2.SolverParameter.HDF5
-        base = f"{self.snapshot_prefix()}_iter_{self.iter}"
+        base = f"{self._snapshot_base()}_iter_{self.iter}"
         return (Path(base + (".caffemodel.h5" if h5 else ".caffemodel")),
                 Path(base + (".solverstate.h5" if h5 else ".solverstate")))
 

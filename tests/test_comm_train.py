@@ -116,11 +116,10 @@ def forge_forever(port: int, stop: threading.Event) -> int:
     return sent
 
 
-@pytest.mark.parametrize("world, comm", [(2, "ps"), (2, "sfb"), (2, "hybrid"),
-                                         (4, "ps"), (4, "sfb"), (4, "hybrid")])
-def test_p_workers_equal_one_worker_with_p_times_the_batch(world, comm, digits_db, reference,
-                                                          tmp_path):
-    solver = write_run(tmp_path, digits_db, TOTAL_BATCH // world, "dist")
+def check_p_workers_equal_one_worker(world: int, comm: str, db: Path,
+                                     reference: dict[str, np.ndarray], tmp_path: Path) -> None:
+    """Train with ``world`` local workers; compare with the reference and check the counters."""
+    solver = write_run(tmp_path, db, TOTAL_BATCH // world, "dist")
     hosts, base = write_hosts(tmp_path, world)
     stats = tmp_path / "stats.json"
     stop = threading.Event()
@@ -151,3 +150,8 @@ def test_p_workers_equal_one_worker_with_p_times_the_batch(world, comm, digits_d
         ip1 = next(r for r in s["layers"] if r["name"] == "ip1")
         k = TOTAL_BATCH // world
         assert ip1["net_sent_per_iter"] + ip1["net_recv_per_iter"] == 4 * 2 * k * (world - 1) * (512 + 256)
+
+
+@pytest.mark.parametrize("comm", ["ps", "sfb", "hybrid"])
+def test_two_workers_equal_one_worker_with_twice_the_batch(comm, digits_db, reference, tmp_path):
+    check_p_workers_equal_one_worker(2, comm, digits_db, reference, tmp_path)

@@ -152,7 +152,8 @@ def naive_lrn_within(x, size, alpha, beta):
 # ------------------------------------------------------------------ convolution
 
 CONV_CASES = {
-    "plain": ("num_output: 4 kernel_size: 3", (2, 3, 6, 5), dict(stride=(1, 1), pad=(0, 0), dil=(1, 1), group=1)),
+    "plain": ("num_output: 4 kernel_size: 3", (2, 3, 6, 5),
+              dict(stride=(1, 1), pad=(0, 0), dil=(1, 1), group=1)),
     "group2_pad": ("num_output: 4 kernel_size: 3 pad: 1 group: 2", (2, 4, 5, 5),
                    dict(stride=(1, 1), pad=(1, 1), dil=(1, 1), group=2)),
     "stride2": ("num_output: 3 kernel_size: 3 stride: 2 pad: 1", (2, 2, 7, 6),
@@ -168,7 +169,8 @@ CONV_CASES = {
 
 def conv_text(kind: str, body: str) -> str:
     return (f'name: "c" type: "{kind}" bottom: "x" top: "y" convolution_param {{ {body} '
-            'weight_filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" std: 0.5 } }')
+            'weight_filler { type: "gaussian" std: 0.5 } '
+            'bias_filler { type: "gaussian" std: 0.5 } }')
 
 
 @pytest.mark.parametrize("case", sorted(CONV_CASES))
@@ -208,22 +210,39 @@ def test_deconvolution_is_the_adjoint_of_convolution():
     assert np.isclose((y * db[0].data).sum(), (cb[0].data * z).sum())
 
 
-def test_convolution_chunking_matches_whole_batch(monkeypatch):
-    body, shape, geo = CONV_CASES["group2_pad"]
-    shape = (5,) + shape[1:]
-    layer, bottom, top = build(conv_text("Convolution", body), [shape])
-    top[0].diff[...] = np.random.default_rng(3).standard_normal(top[0].shape)
-    (whole,) = run(layer, bottom, top)
-    layer.backward(top, [True], bottom)
-    grads = [bottom[0].diff.copy(), layer.blobs[0].diff.copy(), layer.blobs[1].diff.copy()]
-    monkeypatch.setattr(K, "CHUNK_BYTES", 1)  # one image per chunk
-    for p in layer.blobs:
-        p.diff[...] = 0
-    (chunked,) = run(layer, bottom, top)
-    layer.backward(top, [True], bottom)
-    np.testing.assert_allclose(chunked, whole, rtol=1e-12)
-    for got, want in zip([bottom[0].diff, layer.blobs[0].diff, layer.blobs[1].diff], grads):
-        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+@pytest.mark.parametrize("kind", ["Convolution", "Deconvolution"])
+@pytest.mark.parametrize("strategy", [{"CHUNK_BYTES": 1}, {"_NS_PER_ROW": 0.0},
+                                      {"_NS_PER_ROW": 1e9}])
+def test_cpu_strategies_agree(monkeypatch, kind, strategy):
+    """One image per chunk, and col2im with and without the wide grid, give the same."""
+    body = "num_output: 4 kernel_size: 3 pad: 1 group: 2"
+    layer, bottom, top = build(conv_text(kind, body), [(5, 4, 5, 6)])
+
+    def pass_():
+        for p in layer.blobs:
+            p.diff[...] = 0
+        (y,) = run(layer, bottom, top)
+        top[0].diff[...] = np.random.default_rng(3).standard_normal(top[0].shape)
+        layer.backward(top, [True], bottom)
+        return [y, bottom[0].diff.copy()] + [p.diff.copy() for p in layer.blobs]
+
+    want = pass_()
+    for name, value in strategy.items():
+        monkeypatch.setattr(K, name, value)
+    for got, ref in zip(pass_(), want):
+        np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_convolution_axis_2_treats_leading_axes_as_the_batch():
+    body = "num_output: 3 kernel_size: 3 pad: 1 axis: 2"
+    layer, bottom, top = build(conv_text("Convolution", body), [(2, 3, 4, 5, 5)])
+    (y,) = run(layer, bottom, top)
+    assert y.shape == (2, 3, 3, 5, 5)
+    geo = dict(stride=(1, 1), pad=(1, 1), dil=(1, 1), group=1)
+    want = naive_conv(bottom[0].data.reshape(6, 4, 5, 5), layer.blobs[0].data,
+                      layer.blobs[1].data, **geo)
+    np.testing.assert_allclose(y.reshape(want.shape), want, rtol=1e-10)
+    check_layer_gradients(layer, bottom, top)
 
 
 def test_convolution_float32_stays_float32_and_accumulates_param_diffs():
@@ -440,7 +459,141 @@ def test_crop_out_of_bounds():
         build(crop_text("axis: 2 offset: 3"), [(1, 1, 5, 5), (1, 1, 3, 3)])
 
 
+# ------------------------------------------------------------------ the real Caffe
+
+@pytest.mark.parametrize("net", ["lenet", "cifar10_quick"])
+def test_vision_layers_match_real_caffe(net):
+    """Each Convolution/Pooling layer of the oracle nets, fed Caffe's own blobs (float32).
+
+    Where an in-place ReLU follows, Caffe's stored data is after the ReLU and the stored
+    diff of its input after the ReLU's backward, so the same ReLU is applied here.
+    """
+    import json
+    from tests.conftest import shared_path
+    root = shared_path("fixtures", "oracle", "layers")
+    arrays = np.load(root / f"{net}.npz")
+    relu_blobs = {e["blob"] for e in json.loads((root / "manifest.json").read_text())
+                  ["nets"][net]["in_place"] if e["type"] == "ReLU"}
+    net_param = caffe_pb2.NetParameter()
+    text_format.Parse((root / f"{net}.prototxt").read_text(), net_param)
+
+    def close(got, want, what):
+        scale = max(np.abs(want).max(), 1e-30)
+        assert np.abs(got - want).max() <= 1e-4 * scale, f"{net} {what}"
+
+    checked = 0
+    for lp in net_param.layer:
+        if lp.type not in ("Convolution", "Pooling"):
+            continue
+        layer = create_layer(lp, "TRAIN")
+        (bname,), (tname,) = lp.bottom, lp.top
+        bottom = [Blob(arrays[f"train/blob/{bname}/data"].shape, dtype=np.float32, xp=np)]
+        top = [Blob((), dtype=np.float32, xp=np)]
+        bottom[0].data[...] = arrays[f"train/blob/{bname}/data"]
+        layer.setup(bottom, top)
+        for i, p in enumerate(layer.blobs):
+            p.data[...] = arrays[f"train/param/{lp.name}/{i}/init"]
+        (y,) = run(layer, bottom, top)
+        if tname in relu_blobs:
+            y = np.maximum(y, 0)
+        close(y, arrays[f"train/blob/{tname}/data"], f"{lp.name} top")
+        top[0].diff[...] = arrays[f"train/blob/{tname}/diff"]
+        layer.backward(top, [True], bottom)
+        dx = bottom[0].diff
+        if bname in relu_blobs:
+            dx = dx * (bottom[0].data > 0)
+        close(dx, arrays[f"train/blob/{bname}/diff"], f"{lp.name} bottom diff")
+        for i, p in enumerate(layer.blobs):
+            close(p.diff, arrays[f"train/param/{lp.name}/{i}/diff"], f"{lp.name} param {i}")
+        checked += 1
+    assert checked >= 4
+
+
 # ------------------------------------------------------------------ GPU kernels
+
+_EMULATION_PRELUDE = """#define __global__
+struct D3 { unsigned x; }; static D3 blockIdx = {0}, blockDim = {1}, threadIdx = {0}, gridDim = {1};
+template <class A> A min(A a, A b) { return a < b ? a : b; }
+template <class A> A max(A a, A b) { return a < b ? b : a; }
+#define T double
+#define FLT_MAX_T 1.7976931348623158e+308
+"""
+
+
+@pytest.fixture(scope="module")
+def cuda_source_on_cpu(tmp_path_factory):
+    """The CuPy kernels' CUDA source compiled as C++ for one CPU thread (the grid-stride
+    loops then cover every element), so the GPU index arithmetic is checked without a GPU."""
+    import ctypes
+    import shutil
+    import subprocess
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("needs g++ to run the CUDA kernel source on the CPU")
+    work = tmp_path_factory.mktemp("kernels")
+    (work / "k.cpp").write_text(_EMULATION_PRELUDE + K._GPU_SOURCE)
+    subprocess.run([compiler, "-O1", "-shared", "-fPIC", "-o", str(work / "k.so"),
+                    str(work / "k.cpp")], check=True)
+    return ctypes.CDLL(str(work / "k.so"))
+
+
+def _c_args(*values):
+    """Arrays as pointers, np.int64 as long long (the element counts), ints as int."""
+    import ctypes
+    return [v.ctypes.data_as(ctypes.c_void_p) if isinstance(v, np.ndarray)
+            else ctypes.c_longlong(int(v)) if isinstance(v, np.int64) else ctypes.c_int(v)
+            for v in values]
+
+
+@pytest.mark.parametrize("geo", [(3, 2, 2, 1, 1, 0, 1, 2), (3, 3, 1, 1, 2, 2, 2, 2),
+                                 (1, 1, 1, 1, 0, 0, 1, 1)])
+def test_gpu_conv_kernels_on_cpu(cuda_source_on_cpu, geo):
+    kh, kw, sh, sw, ph, pw, dh, dw = geo
+    n, c, h, w = 2, 3, 7, 6
+    g = K.Geometry(c, h, w, kh, kw, sh, sw, ph, pw, dh, dw, K.conv_out_size(h, kh, ph, sh, dh),
+                   K.conv_out_size(w, kw, pw, sw, dw))
+    dims = (n, c, h, w, kh, kw, sh, sw, ph, pw, dh, dw, g.out_h, g.out_w)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, c, h, w))
+    want = K.im2col(x, g)
+    col = np.empty_like(want)
+    cuda_source_on_cpu.im2col(*_c_args(x, col, np.int64(col.size), *dims))
+    np.testing.assert_array_equal(col, want)
+    cols = rng.standard_normal(want.shape)
+    im = np.empty_like(x)
+    cuda_source_on_cpu.col2im(*_c_args(cols, im, np.int64(im.size), *dims))
+    np.testing.assert_allclose(im, K.col2im(cols, g, n), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("geo", [(3, 3, 2, 2, 0, 0), (3, 2, 2, 1, 1, 1), (3, 3, 2, 2, 2, 2),
+                                 (2, 2, 2, 2, 0, 0)])
+def test_gpu_pool_kernels_on_cpu(cuda_source_on_cpu, geo):
+    kh, kw, sh, sw, ph, pw = geo
+    n, c, h, w = 2, 3, 6, 7
+    pad = bool(ph or pw)
+    g = K.Geometry(c, h, w, kh, kw, sh, sw, ph, pw, 1, 1, K.pool_out_size(h, kh, ph, sh, pad),
+                   K.pool_out_size(w, kw, pw, sw, pad))
+    dims = (c, h, w, kh, kw, sh, sw, ph, pw, g.out_h, g.out_w)
+    rng = np.random.default_rng(0)
+    x = np.round(rng.standard_normal((n, c, h, w)) * 2) / 2  # ties: first in scan order wins
+    lib = cuda_source_on_cpu
+    top, arg = K.max_pool_forward(x, g)
+    gtop, garg = np.empty(top.shape), np.empty(top.shape, dtype=np.int32)
+    lib.max_pool_forward(*_c_args(x, gtop, garg, np.int64(gtop.size), *dims))
+    np.testing.assert_array_equal(gtop, top)
+    np.testing.assert_array_equal(garg, K.max_pool_mask(arg, g))
+    dy = rng.standard_normal(top.shape)
+    dx, gdx = np.empty_like(x), np.empty_like(x)
+    K.max_pool_backward(dy, arg, g, dx)
+    lib.max_pool_backward(*_c_args(dy, garg, gdx, np.int64(gdx.size), *dims))
+    np.testing.assert_allclose(gdx, dx, rtol=1e-12, atol=1e-12)
+    gave = np.empty(top.shape)
+    lib.ave_pool_forward(*_c_args(x, gave, np.int64(gave.size), *dims))
+    np.testing.assert_allclose(gave, K.ave_pool_forward(x, g), rtol=1e-12)
+    K.ave_pool_backward(dy, g, dx)
+    lib.ave_pool_backward(*_c_args(dy, gdx, np.int64(gdx.size), *dims))
+    np.testing.assert_allclose(gdx, dx, rtol=1e-12, atol=1e-12)
+
 
 gpu = pytest.mark.skipif(not backend.cupy_available(), reason="needs CuPy and a CUDA GPU")
 

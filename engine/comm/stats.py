@@ -81,8 +81,10 @@ class CommStats:
         lines = [f"comm: wait {s['wait_s_per_iter'] * 1e3:.1f} ms/iter, comm {s['comm_s_per_iter'] * 1e3:.1f}"
                  f" ms/iter, {100 * s['hidden_fraction']:.0f}% hidden behind backward"]
         for row in s["layers"]:
-            lines.append(f"comm: {row['name']:>12} {row['scheme']:>3} sent {row['net_sent_per_iter'] / 1e6:.3f} MB"
-                         f" recv {row['net_recv_per_iter'] / 1e6:.3f} MB per iter (network)")
+            lines.append(f"comm: {row['name']:>12} {row['scheme']:>3}: this worker sent "
+                         f"{row['all_sent_per_iter'] / 1e6:.3f} MB, received {row['all_recv_per_iter'] / 1e6:.3f}"
+                         f" MB per iter ({(row['net_sent_per_iter'] + row['net_recv_per_iter']) / 1e6:.3f}"
+                         " MB across the network)")
         return lines
 
     def write_json(self, path: str | Path) -> None:

@@ -129,6 +129,7 @@ class Syncer:
         try:
             meet(ep, layout)
         except BaseException:
+            ep.disarm()
             self._shutdown()
             raise
 
@@ -199,14 +200,11 @@ class Syncer:
         self.stats.extra["replicas_identical"] = True
         self.stats.extra["params_sha256"] = mine.hex()
 
-    @property
-    def rounds(self) -> dict[int, int]:
-        with self._cond:
-            return dict(self._applied)
-
     # ------------------------------------------------------------------- internals
     def _raise_if_failed(self) -> None:
+        """On the training thread: raise the recorded error (the process will exit cleanly)."""
         if self.ep.error is not None:
+            self.ep.disarm()
             raise CommError(self.ep.error)
 
     def _wake(self, _reason: str) -> None:

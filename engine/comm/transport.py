@@ -98,6 +98,9 @@ class Endpoint:
         self.on_fatal: list[Callable[[str], None]] = []
         self.dropped = 0
         self.error: str | None = None
+        #: True when the error came in an ABORT (some other process reports it first-hand)
+        self.error_from_peer = False
+        self._exit_timer: threading.Timer | None = None
         self._ctx = zmq.Context()
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()
@@ -279,29 +282,42 @@ class Endpoint:
                 if left <= 0:
                     break
                 self._cond.wait(min(left, 0.5))
-        who = ", ".join(sorted({self.name_of((k[1], k[2])) for k in missing}))
-        self.fatal(f"{self.name}: timed out after {self.timeout:g} s waiting for {what} from {who}")
+        silent = self._silent(3 * self._hb_interval)
+        if silent:  # a dead peer upstream is the real cause, not the one we wait on
+            self.fatal(self._lost(silent[0]))
+        else:
+            who = ", ".join(sorted({self.name_of((k[1], k[2])) for k in missing}))
+            self.fatal(f"{self.name}: timed out after {self.timeout:g} s waiting for {what} from {who}")
         raise CommError(self.error)
 
     # ---------------------------------------------------------------------------- liveness
+    @property
+    def _hb_interval(self) -> float:
+        return max(0.05, min(1.0, self.timeout / 5))
+
+    def _silent(self, seconds: float) -> list[PeerId]:
+        """Peers (not gone) from which nothing was heard for ``seconds``."""
+        now = time.monotonic()
+        with self._cond:
+            return [p for p in self.peers
+                    if p not in self._gone and now - self._last_seen[p] > seconds]
+
+    def _lost(self, peer: PeerId) -> str:
+        with self._cond:
+            heard = peer in self._heard
+        if heard:
+            return (f"lost {self.name_of(peer)}: nothing heard for {self.timeout:g} s "
+                    "(the process died or hangs)")
+        return f"{self.name_of(peer)} did not come within {self.timeout:g} s (start-up barrier)"
+
     def _heartbeat_loop(self) -> None:
-        interval = max(0.05, min(1.0, self.timeout / 5))
-        while not self._stop.wait(interval):
+        while not self._stop.wait(self._hb_interval):
             for p in self.peers:
                 if p not in self._gone:
                     self.send(p, header(pb.HEARTBEAT))
-            now = time.monotonic()
-            with self._cond:
-                late = [p for p in self.peers
-                        if p not in self._gone and now - self._last_seen[p] > self.timeout]
-                heard = set(self._heard)
-            for p in late:
-                if p in heard:
-                    self.fatal(f"lost {self.name_of(p)}: nothing heard for {self.timeout:g} s "
-                               "(the process died or hangs)")
-                else:
-                    self.fatal(f"{self.name_of(p)} did not come within {self.timeout:g} s "
-                               "(start-up barrier)")
+            late = self._silent(self.timeout)
+            if late:
+                self.fatal(self._lost(late[0]))
                 return
 
     def fatal(self, reason: str, propagate: bool = True) -> None:
@@ -313,29 +329,28 @@ class Endpoint:
             if hint is not None and "last good snapshot" not in reason:
                 reason += f"; last good snapshot: {hint}"
             self.error = reason
+            self.error_from_peer = not propagate
+            if self.exit_grace is not None:
+                # The training thread may be busy in a long compute; stop the process
+                # regardless, unless that thread takes the error first (disarm) and exits.
+                self._exit_timer = threading.Timer(self.exit_grace, _hard_exit, (reason,))
+                self._exit_timer.daemon = True
+                self._exit_timer.start()
             self._cond.notify_all()
         if propagate:
             self.broadcast([p for p in self.peers if p not in self._gone], header(pb.ABORT, reason=reason))
         for cb in self.on_fatal:
             cb(reason)
-        if self.exit_grace is not None:
-            # The training thread may be busy in a long compute; stop the process regardless.
-            timer = threading.Timer(self.exit_grace, _hard_exit, (reason,))
-            timer.daemon = True
-            timer.start()
+
+    def disarm(self) -> None:
+        """The main thread has the error in hand and will exit: no forced exit needed."""
+        with self._cond:
+            if self._exit_timer is not None:
+                self._exit_timer.cancel()
 
     def all_gone(self, role: str) -> bool:
         with self._cond:
             return all(p in self._gone for p in self.peers if p[0] == role)
-
-    def wait_gone(self, role: str, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while not all(p in self._gone for p in self.peers if p[0] == role):
-                if self.error is not None or time.monotonic() >= deadline:
-                    return False
-                self._cond.wait(0.2)
-        return True
 
     def close(self, say_bye: bool = True) -> None:
         if say_bye and self.error is None:

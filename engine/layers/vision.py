@@ -178,7 +178,7 @@ class ConvolutionLayer(_BaseConvolution):
                 col = K.im2col(x[s], g).reshape(self.group, g.col_rows // self.group, -1)
                 out = xp.matmul(wg, col)
                 y[s] = self._batch_major(out, s.stop - s.start, (g.out_h, g.out_w))
-            self._add_bias(y)
+                self._add_bias(y[s])  # while the chunk is in cache
 
     def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
                  bottom: Sequence[Blob]) -> None:
@@ -195,12 +195,11 @@ class ConvolutionLayer(_BaseConvolution):
             dx = self._images(b.diff, self.channels) if down else None
             dw = self.blobs[0].diff.reshape(wg.shape)
             for s in self._chunks(xp, x.dtype.itemsize):
-                dyc = self._channel_major(dy[s])
                 if want_w:
                     col = K.im2col(x[s], g).reshape(self.group, g.col_rows // self.group, -1)
-                    dw += xp.matmul(dyc, col.transpose(0, 2, 1))
+                    dw += xp.matmul(self._channel_major(dy[s]), col.transpose(0, 2, 1))
                 if down:
-                    dcol = xp.matmul(wg.transpose(0, 2, 1), dyc)
+                    dcol = xp.matmul(wg.transpose(0, 2, 1), K.grid_operand(dy[s], g, self.group))
                     dx[s] = K.col2im(dcol.reshape(g.col_rows, -1), g, s.stop - s.start)
 
 
@@ -218,9 +217,9 @@ class DeconvolutionLayer(_BaseConvolution):
             x = self._images(b.data, self.channels)
             y = self._images(t.data, self.num_output)
             for s in self._chunks(xp, x.dtype.itemsize):
-                col = xp.matmul(wg.transpose(0, 2, 1), self._channel_major(x[s]))
+                col = xp.matmul(wg.transpose(0, 2, 1), K.grid_operand(x[s], g, self.group))
                 y[s] = K.col2im(col.reshape(g.col_rows, -1), g, s.stop - s.start)
-            self._add_bias(y)
+                self._add_bias(y[s])
 
     def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
                  bottom: Sequence[Blob]) -> None:

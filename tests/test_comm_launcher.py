@@ -1,0 +1,112 @@
+"""The launcher's pieces (ranks, commands, supervision, snapshots) and the Net adapter (bind)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from engine.comm.bind import describe_net, ps_params
+from engine.comm.errors import CommError
+from engine.comm.hosts import parse_hosts_text
+from engine.comm.launcher import (last_snapshot, rank_from_env, run_from_cli, ssh_command,
+                                  supervise, worker_command)
+from engine.comm.planner import plan_layers
+
+
+def test_rank_from_the_environment():
+    assert rank_from_env({}) is None
+    assert rank_from_env({"SLURM_PROCID": "3", "RANK": "1"}) == 3
+    assert rank_from_env({"OMPI_COMM_WORLD_RANK": "2"}) == 2
+    assert rank_from_env({"RANK": "0"}) == 0
+    with pytest.raises(CommError, match="RANK='x'"):
+        rank_from_env({"RANK": "x"})
+
+
+def test_worker_and_ssh_commands():
+    cmd = worker_command(2, "s.prototxt", "h.txt", "sfb", 30.0, 4 << 20, ["a.caffemodel", "b.caffemodel"],
+                         None, None, "stats.json")
+    assert cmd[1:] == ["-m", "poseidon_cli.main", "train", "--solver", "s.prototxt", "--hosts", "h.txt",
+                       "--rank", "2", "--comm", "sfb", "--timeout", "30",
+                       "--weights", "a.caffemodel,b.caffemodel"]  # --stats only on rank 0
+    [entry] = parse_hosts_text("10.1.2.3:7000")
+    ssh = ssh_command(entry, ["python", "-m", "x", "--solver", "my solver.prototxt"])
+    assert ssh[:5] == ["ssh", "-o", "BatchMode=yes", "-o", "ServerAliveInterval=5"]
+    assert ssh[5] == "10.1.2.3" and ssh[6].endswith("exec python -m x --solver 'my solver.prototxt'")
+
+
+def test_last_snapshot_picks_the_newest(tmp_path):
+    assert last_snapshot(tmp_path / "net") == "none"
+    for it in (5, 40, 100):
+        (tmp_path / f"net_iter_{it}.solverstate").write_bytes(b"")
+    (tmp_path / "other_iter_900.solverstate").write_bytes(b"")
+    assert last_snapshot(tmp_path / "net") == str(tmp_path / "net_iter_100.solverstate")
+
+
+def test_supervise_names_the_failing_process_and_stops_the_rest():
+    ok = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    bad = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"], start_new_session=True)
+    try:
+        with pytest.raises(CommError, match=r"worker 1 \(h:1\) exited with code 3; stopped the other 1"):
+            supervise({"worker 0 (h:0)": ok, "worker 1 (h:1)": bad})
+        assert ok.wait(timeout=10) != 0
+    finally:
+        ok.kill()
+        ok.wait()
+
+
+def test_run_from_cli_rejects_what_it_cannot_do(tmp_path):
+    hosts = tmp_path / "h"
+    hosts.write_text("127.0.0.1:23000\n")
+    with pytest.raises(CommError, match="only BSP"):
+        run_from_cli("s", str(hosts), rank=0, staleness=2)
+    with pytest.raises(CommError, match="--rank 3 out of range"):
+        run_from_cli("s", str(hosts), rank=3)
+    with pytest.raises(CommError, match="cannot read hosts file"):
+        run_from_cli("s", str(tmp_path / "missing"), rank=0)
+
+
+NET = """name: "bind"
+layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 5 dim: 2 dim: 3 } } }
+layer { name: "in2" type: "Input" top: "x2" input_param { shape { dim: 5 dim: 3 } } }
+layer { name: "fc" type: "InnerProduct" bottom: "x" top: "a"
+        inner_product_param { num_output: 4 weight_filler { type: "gaussian" std: 1 } } }
+layer { name: "fct" type: "InnerProduct" bottom: "a" top: "b"
+        inner_product_param { num_output: 3 transpose: true weight_filler { type: "gaussian" std: 1 }
+                              bias_filler { type: "gaussian" std: 1 } } }
+layer { name: "scale" type: "Scale" bottom: "b" top: "c" scale_param { bias_term: true } }
+layer { name: "loss" type: "EuclideanLoss" bottom: "c" bottom: "x2" top: "loss" }
+"""
+
+
+def test_bind_describes_layers_and_factors_rebuild_the_gradient(tmp_path):
+    from engine.net import Net
+    path = tmp_path / "net.prototxt"
+    path.write_text(NET)
+    net = Net(str(path))
+    rng = np.random.default_rng(0)
+    net.blobs["x"].data[...] = rng.standard_normal((5, 2, 3))
+    net.blobs["x2"].data[...] = rng.standard_normal((5, 3))
+    net.clear_param_diffs()
+    net.forward_prefilled()
+    net.backward()
+    slots, infos = describe_net(net)
+    by_name = {s.name: s for s in slots.values()}
+    assert [i.name for i in infos] == ["fc", "fct", "scale"]
+    assert by_name["fc"].factor_shape == (5, 6, 4)
+    assert by_name["fct"].factor_shape == (5, 4, 3)
+    assert by_name["scale"].factors is None and by_name["scale"].factor_shape is None
+    assert [p.role for p in by_name["fct"].params] == ["weight_t", "bias"]
+    for name in ("fc", "fct"):
+        slot = by_name[name]
+        u, v = (np.asarray(a) for a in slot.factors())
+        w = slot.params[0]
+        rebuilt = v.T @ u if w.role == "weight_t" else u.T @ v
+        np.testing.assert_allclose(rebuilt, w.blob.diff, rtol=1e-5, atol=1e-6)
+        if len(slot.params) > 1:
+            np.testing.assert_allclose(u.sum(0), slot.params[1].blob.diff, rtol=1e-5, atol=1e-6)
+    plans = plan_layers(infos, 2, comm="sfb")
+    schemes = {p.info.layer: p.scheme for p in plans}
+    assert [p.scheme for p in plans] == ["sfb", "sfb", "ps"]
+    assert [p.index for p in ps_params(slots, schemes)] == [p.index for p in by_name["scale"].params]
