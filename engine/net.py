@@ -220,6 +220,12 @@ class Net:
                     if lp.type == "Input":
                         self.input_blob_names.append(name)
                 available.append(name)
+            if layer.is_loss:
+                # Caffe's AutoTopBlobs: a loss layer written without a top still gets one,
+                # anonymous, so its loss counts; no other layer can read it.
+                needed = max(layer.min_tops or 0, layer.exact_num_tops or 0)
+                tops += [Blob((), self.dtype, xp, f"({lp.name} loss)")
+                         for _ in range(needed - len(tops))]
 
             layer.check_blob_counts(bottoms, tops)
             layer.setup(bottoms, tops)

@@ -1,4 +1,5 @@
-"""Finite-difference gradient checking of one layer, in float64 (Caffe's GradientChecker)."""
+"""Layer test helpers: build one layer from prototxt text, and check its gradients by
+finite differences in float64 (Caffe's GradientChecker)."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -59,3 +60,26 @@ def check_layer_gradients(layer: Layer, bottom: Sequence[Blob], top: Sequence[Bl
             k = int(np.flatnonzero(bad)[0])
             raise AssertionError(f"{layer.name}: {name} element {k}: analytic {got[k]:.8g} "
                                  f"vs numeric {num[k]:.8g} ({int(bad.sum())} of {bad.size} off)")
+
+
+def make_layer(text: str, bottom: Sequence[Blob], top: Sequence[Blob], phase: str = "TRAIN") -> Layer:
+    """A layer from its prototxt text, set up and reshaped on the given blobs."""
+    from google.protobuf import text_format
+
+    from engine.layers import create_layer
+    from engine.pb import caffe_pb2
+
+    param = caffe_pb2.LayerParameter()
+    text_format.Parse(text, param)
+    layer = create_layer(param, phase)
+    layer.check_blob_counts(bottom, top)
+    layer.setup(bottom, top)
+    layer.reshape(bottom, top)
+    return layer
+
+
+def blob_of(values: np.ndarray) -> Blob:
+    """A Blob holding a copy of ``values`` (same dtype)."""
+    b = Blob(values.shape, dtype=values.dtype)
+    b.data[...] = values
+    return b

@@ -11,17 +11,9 @@ from google.protobuf import text_format
 from engine.blob import Blob
 from engine.layers import LayerError, create_layer
 from engine.pb import caffe_pb2
-from tests.gradcheck import check_layer_gradients
+from tests.gradcheck import check_layer_gradients, make_layer as make
 
 
-def make(text: str, bottom: Sequence[Blob], top: Sequence[Blob], phase: str = "TRAIN"):
-    param = caffe_pb2.LayerParameter()
-    text_format.Parse(text, param)
-    layer = create_layer(param, phase)
-    layer.check_blob_counts(bottom, top)
-    layer.setup(bottom, top)
-    layer.reshape(bottom, top)
-    return layer
 
 
 def blobs(*shapes: Sequence[int], seed: int = 0, dtype=np.float64) -> list[Blob]:

@@ -3,29 +3,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from google.protobuf import text_format
 
 from engine import backend
 from engine.blob import Blob
-from engine.layers import LayerError, create_layer
-from engine.pb import caffe_pb2
-from tests.gradcheck import check_layer_gradients
+from engine.layers import LayerError
+from tests.gradcheck import blob_of as blob, check_layer_gradients, make_layer as make
 
 
-def make(text: str, bottom: list[Blob], top: list[Blob], phase: str = "TRAIN"):
-    param = caffe_pb2.LayerParameter()
-    text_format.Parse(text, param)
-    layer = create_layer(param, phase)
-    layer.check_blob_counts(bottom, top)
-    layer.setup(bottom, top)
-    layer.reshape(bottom, top)
-    return layer
 
 
-def blob(values: np.ndarray) -> Blob:
-    b = Blob(values.shape, dtype=values.dtype)
-    b.data[...] = values
-    return b
 
 
 def away_from_zero(shape: tuple[int, ...], seed: int = 1, low: float = 0.05) -> np.ndarray:

@@ -138,3 +138,12 @@ def test_on_layer_done_runs_in_reverse_order_and_outputs():
     assert set(out) == {"y", "loss"}
     net.backward(on_layer_done=seen.append)
     assert seen == [4, 3, 2, 1, 0]  # in, split of x, f1, tgt, loss
+
+
+def test_loss_layer_without_top_gets_an_anonymous_one():
+    body = ip("f1", "x", "o") + ip("tgt", "x", "t", extra="param { lr_mult: 0 } param { lr_mult: 0 }")
+    text = INPUT + body + 'layer { name: "loss" type: "EuclideanLoss" bottom: "o" bottom: "t" }\n'
+    net = Net(netparam(text))
+    net.forward(x=np.ones((4, 3)))
+    assert net.loss() > 0
+    assert "loss" not in net.blobs and net.output_blob_names == ["y"]
