@@ -179,7 +179,8 @@ class Net:
         self.params_weight_decay: list[float] = []
         self.param_names: list[str] = []
         self.param_layer_index: list[int] = []
-        self._loss_tops: list[tuple[int, int, float]] = []  # (layer, top, weight)
+        #: (layer index, top index, loss weight) of every top that adds to the loss
+        self.loss_tops: list[tuple[int, int, float]] = []
         blob_need_backward: dict[str, bool] = {}
         available: list[str] = []
         owners: dict[str, tuple[Blob, int]] = {}  # shared param name -> (blob, learnable idx)
@@ -242,7 +243,7 @@ class Net:
                                    f"top ({len(weights)} weights, {len(tops)} tops)")
             for j, w in enumerate(weights[:len(tops)]):
                 if w:
-                    self._loss_tops.append((li, j, float(w)))
+                    self.loss_tops.append((li, j, float(w)))
 
             need_backward = any(need_bw)
             for pj, blob in enumerate(layer.blobs):
@@ -271,7 +272,7 @@ class Net:
                     nb[j] = nb[j] or layer.allow_force_backward(j)
                 layer.param_propagate_down = [True] * len(layer.blobs)
         self.layer_need_backward = layer_need_backward
-        self.output_blob_names = list(available)
+        self.output_blob_names = sorted(available)  # Caffe keeps them in a std::set
         self.layer_by_name = dict(zip(self.layer_names, self.layers))
         self.data_layers = [l for l in self.layers if hasattr(l, "seek")]
 
@@ -309,7 +310,7 @@ class Net:
         """Caffe's pass from the top: a layer that contributes to no loss needs no backward."""
         under_loss: set[str] = set()
         skip: set[str] = set()
-        loss_tops = {(li, j) for li, j, _ in self._loss_tops}
+        loss_tops = {(li, j) for li, j, _ in self.loss_tops}
         for li in range(len(self.layers) - 1, -1, -1):
             lp = self.param.layer[li]
             contributes, skip_down = False, True
@@ -363,12 +364,12 @@ class Net:
 
     def seed_loss_diffs(self) -> None:
         """Write each loss top's weight into its diff: backward starts from there."""
-        for li, j, w in self._loss_tops:
+        for li, j, w in self.loss_tops:
             self.top_vecs[li][j].diff[...] = w
 
     def loss(self) -> float:
         return float(sum(w * float(self.top_vecs[li][j].data.sum())
-                         for li, j, w in self._loss_tops))
+                         for li, j, w in self.loss_tops))
 
     def forward(self, blobs: Sequence[str] = (), start: str | None = None, end: str | None = None,
                 **inputs: Any) -> dict[str, Any]:

@@ -27,7 +27,6 @@ import numpy as np
 
 from . import backend, glog
 from .context import RunContext
-from .data import layers as _data_layers  # noqa: F401  registers Data, ImageData, HDF5Data, MemoryData
 from .pb import caffe_pb2
 from .solvers import SolverError, check_lr_policy, clip_scale, learning_rate, make_rule, \
     normalize, regularize, solver_type
@@ -62,7 +61,7 @@ class TestResult:
 
 def loss_weights(net: Any) -> dict[str, float]:
     """Blob name -> loss weight for the net's loss outputs (Caffe's blob_loss_weights)."""
-    by_id = {id(net.top_vecs[li][j]): w for li, j, w in net._loss_tops}
+    by_id = {id(net.top_vecs[li][j]): w for li, j, w in net.loss_tops}
     return {name: by_id[id(blob)] for name, blob in net.blobs.items() if id(blob) in by_id}
 
 

@@ -31,7 +31,6 @@ def test(model: str, weights: str, iterations: int, gpu: int | None, level: int,
     with user_errors():
         if gpu is not None:
             backend.use_gpu(gpu)
-        from engine.data import layers as _data_layers  # noqa: F401  registers the data layers
         from engine.net import Net
         net = Net(model, phase="TEST", weights=weights, level=level, stages=stage)
         glog.info(f"Running for {iterations} iterations.")

@@ -11,15 +11,12 @@ from engine.blob import Blob
 from engine.layers import LayerError, create_layer
 from engine.layers import im2col as K
 from engine.pb import caffe_pb2
-from tests.gradcheck import check_layer_gradients
+from tests.gradcheck import check_layer_gradients, make_layer
 
 
 def build(text: str, shapes, dtype=np.float64, seed: int = 0, distinct: bool = False,
           phase: str = "TRAIN"):
     """A set-up layer from prototxt ``text`` with random float bottoms of ``shapes``."""
-    param = caffe_pb2.LayerParameter()
-    text_format.Parse(text, param)
-    layer = create_layer(param, phase)
     rng = np.random.default_rng(seed)
     bottom = []
     for shape in shapes:
@@ -31,10 +28,7 @@ def build(text: str, shapes, dtype=np.float64, seed: int = 0, distinct: bool = F
             b.data[...] = rng.standard_normal(shape)
         bottom.append(b)
     top = [Blob((), dtype=dtype, xp=np) for _ in range(text.count("top:"))]
-    layer.check_blob_counts(bottom, top)
-    layer.setup(bottom, top)
-    layer.reshape(bottom, top)
-    return layer, bottom, top
+    return make_layer(text, bottom, top, phase), bottom, top
 
 
 def run(layer, bottom, top):

@@ -131,7 +131,7 @@ def test_propagate_down_false_stops_gradient():
 def test_on_layer_done_runs_in_reverse_order_and_outputs():
     body = ip("f1", "x", "o") + ip("tgt", "x", "t", extra="param { lr_mult: 0 } param { lr_mult: 0 }")
     net = Net(netparam(loss_net(body)))
-    assert net.output_blob_names == ["y", "loss"]
+    assert net.output_blob_names == ["loss", "y"]
     assert net.input_blob_names == ["x", "y"]
     seen: list[int] = []
     out = net.forward(x=np.ones((4, 3)))

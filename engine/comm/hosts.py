@@ -125,8 +125,3 @@ def local_addresses() -> set[str]:
 def is_local(entry: HostEntry, local: set[str] | None = None) -> bool:
     local = local_addresses() if local is None else local
     return entry.host in local or entry.host.startswith("127.")
-
-
-def local_ranks(entries: list[HostEntry]) -> list[int]:
-    local = local_addresses()
-    return [e.rank for e in entries if is_local(e, local)]

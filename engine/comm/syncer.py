@@ -109,6 +109,7 @@ class Syncer:
         for i, slot in layers.items():
             if schemes.get(i) == "sfb":
                 if slot.factors is None or slot.factor_shape is None:
+                    ep.close(say_bye=False)
                     raise CommError(f"layer {slot.name} has no sufficient factors for SFB")
                 k, m, n = slot.factor_shape
                 dtype = np.dtype(slot.params[0].blob.diff.dtype).str
