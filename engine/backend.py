@@ -18,6 +18,27 @@ except Exception:  # pragma: no cover - depends on the machine
 _device: int | None = None
 
 
+def _tune_allocator() -> None:
+    """Keep freed multi-MB buffers in the heap instead of returning them to the kernel.
+
+    Every layer makes large temporaries each iteration; with glibc's defaults each one is a
+    fresh mmap whose pages fault in again (LeNet fwd+bwd 42 -> 25 ms measured). Equivalent to
+    MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_/MALLOC_TOP_PAD_; a no-op off glibc.
+    """
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    libc.mallopt(m_mmap_threshold, 256 << 20)
+    libc.mallopt(m_trim_threshold, 256 << 20)
+    libc.mallopt(m_top_pad, 64 << 20)
+
+
+_tune_allocator()
+
+
 def cupy_available() -> bool:
     """True when CuPy imports and sees at least one GPU."""
     if _cupy is None:

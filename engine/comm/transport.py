@@ -84,8 +84,8 @@ class Endpoint:
 
     def __init__(self, me: PeerId, hosts: Sequence[HostEntry], peers: Iterable[PeerId],
                  timeout: float = 30.0, stats: CommStats | None = None,
-                 exit_grace: float | None = None, snapshot_hint: Callable[[], str | None] | None = None,
-                 bind_host: str = "*") -> None:
+                 exit_grace: float | None = None,
+                 snapshot_hint: Callable[[], str | None] | None = None) -> None:
         self.me = me
         self.hosts = list(hosts)
         self.peers = [p for p in peers if p != me]
@@ -115,7 +115,7 @@ class Endpoint:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         try:
-            self._pull.bind(f"tcp://{bind_host}:{port}")
+            self._pull.bind(f"tcp://*:{port}")  # peers on other machines must reach it
         except zmq.ZMQError as e:
             self._ctx.destroy(linger=0)
             raise CommError(f"{peer_name(me, self.hosts)}: cannot bind port {port}: {e}") from None
