@@ -29,11 +29,11 @@ from .main import fail, user_errors
               help="Write communication counters as JSON here.")
 @click.option("--timeout", type=float, default=30.0, show_default=True,
               help="Seconds before a silent peer is declared lost.")
-@click.option("--staleness", type=int, default=0, show_default=True,
-              help="Bounded staleness (SSP) for PS layers; 0 = BSP.")
+@click.option("--chunk-bytes", type=int, default=4 << 20, show_default=True,
+              help="Largest piece of a parameter one PS shard holds.")
 def train(solver: str, weights: str | None, snapshot: str | None, gpu: int | None,
           hosts: str | None, rank: int | None, comm: str, launch: str, stats: str | None,
-          timeout: float, staleness: int) -> None:
+          timeout: float, chunk_bytes: int) -> None:
     """Train a net from a Caffe solver, with Caffe's log lines and snapshots."""
     if weights and snapshot:
         fail("give --weights (fine-tune) or --snapshot (resume), not both")
@@ -50,7 +50,7 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: int | Non
         with user_errors():
             run_from_cli(solver=solver, weights=weight_files, snapshot=snapshot, gpu=gpu,
                          hosts=hosts, rank=rank, comm=comm, launch=launch, stats=stats,
-                         timeout=timeout, staleness=staleness)
+                         timeout=timeout, chunk_bytes=chunk_bytes)
         return
 
     from engine import backend, glog

@@ -85,11 +85,9 @@ def last_snapshot(prefix: Path | None) -> str:
 # ------------------------------------------------------------------------------- entry point
 def run_from_cli(solver: str, hosts: str, rank: int | None = None, comm: str = "hybrid",
                  launch: str = "local", stats: str | None = None, timeout: float = 30.0,
-                 staleness: int = 0, weights: str | None = None, snapshot: str | None = None,
+                 weights: str | None = None, snapshot: str | None = None,
                  gpu: Any = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, **_: Any) -> None:
     """What `poseidon train --hosts H` does; raises CommError with a one-line message."""
-    if staleness:
-        raise CommError(f"--staleness {staleness}: only BSP (staleness 0) is implemented")
     if launch not in ("local", "ssh"):
         raise CommError(f"--launch must be 'local' or 'ssh', got {launch!r}")
     if timeout <= 0:

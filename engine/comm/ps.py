@@ -23,9 +23,9 @@ import numpy as np
 
 from engine.pb import poseidon_pb2 as pb
 
+from .errors import CommError
 from .hosts import HostEntry
 from .stats import CommStats
-from .errors import CommError
 from .transport import SHARD, WORKER, Endpoint, Message, header, message_key
 
 log = logging.getLogger("poseidon.comm")

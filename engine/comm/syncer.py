@@ -21,10 +21,10 @@ import numpy as np
 from engine import backend
 from engine.pb import poseidon_pb2 as pb
 
+from .errors import CommError
 from .hosts import HostEntry
 from .ps import Chunk, layout_digest
 from .stats import CommStats, now
-from .errors import CommError
 from .transport import SHARD, WORKER, Endpoint, Message, header, message_key
 
 
