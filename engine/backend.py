@@ -5,7 +5,6 @@ Layers never import numpy or cupy directly for math on blobs; they ask
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -85,12 +84,6 @@ def to_numpy(a: Any) -> np.ndarray:
 
 def is_gpu_array(a: Any) -> bool:
     return _cupy is not None and isinstance(a, _cupy.ndarray)
-
-
-def set_cpu_threads(n: int) -> None:
-    """Ask BLAS for ``n`` threads (effective only before NumPy loads BLAS, so set env early)."""
-    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ[var] = str(n)
 
 
 _rng = np.random.default_rng(1701)
