@@ -3,10 +3,16 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_comm_train import check_p_workers_equal_one_worker, digits_db, reference  # noqa: F401
+from tests.test_comm_train import (  # noqa: F401
+    check_p_workers_equal_one_worker,
+    digits_db,
+    mnist_db,
+    net_case,
+    reference,
+)
 
 
 @pytest.mark.parametrize("comm", ["ps", "sfb", "hybrid"])
-def test_four_workers_equal_one_worker_with_four_times_the_batch(comm, digits_db, reference,  # noqa: F811
+def test_four_workers_equal_one_worker_with_four_times_the_batch(comm, net_case, reference,  # noqa: F811
                                                                  tmp_path):
-    check_p_workers_equal_one_worker(4, comm, digits_db, reference, tmp_path)
+    check_p_workers_equal_one_worker(4, comm, net_case, reference, tmp_path)
