@@ -281,12 +281,16 @@ def test_digits_demo_reaches_95_percent(tmp_path):
     trains to >= 95% test accuracy (about 10 s) and snapshots beside the data."""
     from engine.data.converters import convert_digits
     from engine.solver import Solver
+    # as `poseidon train` does: one BLAS thread (many threads on tiny matrices crawl on a
+    # busy machine); threadpoolctl comes with scikit-learn, a test dependency
+    threadpool_limits = pytest.importorskip("threadpoolctl").threadpool_limits
 
     shutil.copytree(MODELS / "digits_lenet", tmp_path / "models" / "digits_lenet")
     convert_digits(tmp_path / "models" / "data" / "digits")
     solver = Solver(tmp_path / "models" / "digits_lenet" / "solver.prototxt")
     try:
-        solver.solve()
+        with threadpool_limits(limits=1, user_api="blas"):
+            solver.solve()
         scores = {name: value for name, value, _ in solver.test(0).scores}
     finally:
         solver.close()
