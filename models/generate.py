@@ -23,17 +23,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 MODELS_DIR = Path(__file__).resolve().parent
 if str(MODELS_DIR.parent) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(MODELS_DIR.parent))
 
-from google.protobuf import text_format  # noqa: E402
+from google.protobuf import text_format
 
-from engine.pb import caffe_pb2  # noqa: E402
+from engine.pb import caffe_pb2
 
 P = caffe_pb2.PoolingParameter
 IMAGENET_MEAN_BGR = (104, 117, 123)
@@ -359,16 +359,16 @@ class Model:
     test_batch: int = 50
 
 
-VGG_SOLVER = dict(type="SGD", base_lr=0.01, momentum=0.9, weight_decay=0.0005,
-                  lr_policy="multistep", gamma=0.1, stepvalue=[100000, 200000, 300000],
-                  max_iter=370000, iter_size=8, test_interval=5000, display=20,
-                  average_loss=20, snapshot=10000)
+VGG_SOLVER = {"type": "SGD", "base_lr": 0.01, "momentum": 0.9, "weight_decay": 0.0005,
+              "lr_policy": "multistep", "gamma": 0.1, "stepvalue": [100000, 200000, 300000],
+              "max_iter": 370000, "iter_size": 8, "test_interval": 5000, "display": 20,
+              "average_loss": 20, "snapshot": 10000}
 VGG_SOLVER_ABOUT = ("32 images x iter_size 8 = 256 per iteration, as in the paper; on N "
                     "workers divide iter_size by N. lr 0.01, /10 at 100k, 200k, 300k; "
                     "370k iterations = 74 epochs of ILSVRC-2012.")
-ALEXNET_SOLVER = dict(type="SGD", base_lr=0.01, momentum=0.9, weight_decay=0.0005,
-                      lr_policy="step", gamma=0.1, stepsize=100000, max_iter=450000,
-                      test_interval=1000, display=20, snapshot=10000)
+ALEXNET_SOLVER = {"type": "SGD", "base_lr": 0.01, "momentum": 0.9, "weight_decay": 0.0005,
+                  "lr_policy": "step", "gamma": 0.1, "stepsize": 100000, "max_iter": 450000,
+                  "test_interval": 1000, "display": 20, "snapshot": 10000}
 ALEXNET_SOLVER_ABOUT = ("256 images per iteration; lr 0.01, /10 every 100k iterations; "
                         "450k iterations = 90 epochs of ILSVRC-2012.")
 
@@ -389,9 +389,9 @@ MODELS = [
           "parameters in the deploy net; the two auxiliary heads used in training add "
           "6,379,728.",
           googlenet_body, 224, 32,
-          dict(type="SGD", base_lr=0.01, momentum=0.9, weight_decay=0.0002, lr_policy="poly",
-               power=0.5, max_iter=2400000, test_interval=4000, test_initialization=False,
-               display=40, average_loss=40, snapshot=40000),
+          {"type": "SGD", "base_lr": 0.01, "momentum": 0.9, "weight_decay": 0.0002,
+           "lr_policy": "poly", "power": 0.5, "max_iter": 2400000, "test_interval": 4000,
+           "test_initialization": False, "display": 40, "average_loss": 40, "snapshot": 40000},
           "32 images per iteration; lr 0.01 decaying polynomially (power 0.5) to 0 at 2.4M "
           "iterations (60 epochs); skip the initial test, it is long and says nothing."),
     Model("vgg16", "VGG_ILSVRC_16_layers",
@@ -414,10 +414,10 @@ MODELS = [
           "(3, 4, 6, 3) with BatchNorm + Scale after every conv and projection shortcuts. "
           "25,557,032 learnable parameters (plus BatchNorm's running statistics).",
           resnet50_body, 224, 32,
-          dict(type="SGD", base_lr=0.1, momentum=0.9, weight_decay=0.0001,
-               lr_policy="multistep", gamma=0.1, stepvalue=[150000, 300000, 450000],
-               max_iter=500000, iter_size=8, test_interval=5000, display=20, average_loss=20,
-               snapshot=10000),
+          {"type": "SGD", "base_lr": 0.1, "momentum": 0.9, "weight_decay": 0.0001,
+           "lr_policy": "multistep", "gamma": 0.1, "stepvalue": [150000, 300000, 450000],
+           "max_iter": 500000, "iter_size": 8, "test_interval": 5000, "display": 20,
+           "average_loss": 20, "snapshot": 10000},
           "32 images x iter_size 8 = 256 per iteration; on N workers divide iter_size by N. "
           "lr 0.1, /10 at epochs 30, 60, 90 (5,005 iterations each); 100 epochs."),
 ]

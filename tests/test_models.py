@@ -1,6 +1,6 @@
 """Tests of the model zoo in models/: every file parses, paths point where the README says,
-the generated nets are current, parameter counts match the published numbers, and every
-training net runs one forward/backward pass."""
+the generated nets are current, parameter counts match the published numbers, every
+training net runs one forward/backward pass, and the README's digits demo reaches 95%."""
 from __future__ import annotations
 
 import gc
@@ -13,6 +13,7 @@ import sys
 import types
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -76,7 +77,7 @@ def in_phase(layer: caffe_pb2.LayerParameter, phase: int) -> bool:
     return not layer.include or any(r.phase == phase for r in layer.include)
 
 
-def count_params(net) -> int:
+def count_params(net: Any) -> int:
     """Learnable parameters: every layer's blobs but BatchNorm's running statistics."""
     return sum(b.count for layer in net.layers if layer.type != "BatchNorm" for b in layer.blobs)
 
@@ -99,10 +100,15 @@ def with_inputs(param: caffe_pb2.NetParameter, batch: int, channels: int, side: 
     return out
 
 
-def build(param: caffe_pb2.NetParameter, phase: str):
+def build(param: caffe_pb2.NetParameter, phase: str) -> Any:
     # imported here so that a broken layer module fails these tests, not the file checks
     from engine.net import Net
     return Net(param, phase=phase)
+
+
+def build_from_file(path: Path, weights: Path) -> Any:
+    from engine.net import Net
+    return Net(path, phase="TEST", weights=str(weights))
 
 
 def load_generator() -> types.ModuleType:
@@ -201,7 +207,12 @@ def test_generated_files_are_current():
     assert {p.split("/")[0] for p in rendered} == {
         "alexnet", "caffenet", "googlenet", "vgg16", "vgg19", "vgg19_22k", "resnet50"}
     for rel, text in rendered.items():
-        assert (MODELS / rel).read_text() == text, f"models/{rel} is stale: run models/generate.py"
+        # compared as messages: protobuf versions may print floats differently
+        kind = caffe_pb2.SolverParameter if rel.endswith("solver.prototxt") else \
+            caffe_pb2.NetParameter
+        committed = text_format.Parse((MODELS / rel).read_text(), kind())
+        assert committed == text_format.Parse(text, kind()), \
+            f"models/{rel} is stale: run python models/generate.py"
 
 
 def test_no_file_is_a_copy_of_a_shared_one():
@@ -213,21 +224,20 @@ def test_no_file_is_a_copy_of_a_shared_one():
 
 
 def test_hosts_files():
-    local = [line.split() for line in (MODELS / "hosts" / "localhost4.txt").read_text().splitlines()]
+    hosts = MODELS / "hosts"
+    local = [line.split() for line in (hosts / "localhost4.txt").read_text().splitlines()]
     assert local == [[str(i), "127.0.0.1", str(9000 + 2 * i)] for i in range(4)]
-    for line in (MODELS / "hosts" / "two_machines.txt").read_text().splitlines():
+    for line in (hosts / "two_machines.txt").read_text().splitlines():
         host, _, port = line.partition(":")
         # documentation range (RFC 5737): an example must never reach a real machine
         assert ipaddress.ip_address(host) in ipaddress.ip_network("192.0.2.0/24"), line
         assert not port or 0 < int(port) < 65535
-    try:
-        from engine.comm.hosts import parse_hosts
-    except ImportError:
-        return
-    entries = parse_hosts(MODELS / "hosts" / "localhost4.txt")
+    from engine.comm.hosts import parse_hosts
+
+    entries = parse_hosts(hosts / "localhost4.txt")
     assert [(e.rank, e.port, e.shard_port) for e in entries] == [
         (i, 9000 + 2 * i, 9001 + 2 * i) for i in range(4)]
-    assert len(parse_hosts(MODELS / "hosts" / "two_machines.txt")) == 2
+    assert len(parse_hosts(hosts / "two_machines.txt")) == 2
 
 
 # -------------------------------------------------------------------------------------------
@@ -296,3 +306,29 @@ def test_digits_demo_reaches_95_percent(tmp_path):
         solver.close()
     assert scores["accuracy"] >= 0.95
     assert (tmp_path / "models" / "data" / "digits_lenet_iter_2000.caffemodel").is_file()
+
+
+@pytest.mark.parametrize("name, weights, accuracy", [
+    ("lenet", "lenet_iter_10000.caffemodel", 0.9914),  # the full MNIST test set
+    ("cifar10_quick", "cifar10_quick_iter_5000.caffemodel", 0.768),  # 1,000 test images
+])
+def test_caffe_trained_weights_score_as_in_caffe(tmp_path, name, weights, accuracy):
+    """Weights trained by BVLC Caffe load into the zoo's TEST net by layer name and reach the
+    accuracy they reach in Caffe: the zoo's nets compute what Caffe's do."""
+    from engine.data.converters import convert_cifar10, convert_mnist
+
+    caffemodels = shared_path("fixtures", "caffemodels")
+    models = tmp_path / "models"
+    shutil.copytree(MODELS / name, models / name)
+    if name == "lenet":
+        counts = convert_mnist(shared_path("data", "mnist"), models / "data" / "mnist")
+        test_images = counts["mnist_test_lmdb"]
+    else:
+        out = models / "data" / "cifar10"
+        test_images = convert_cifar10(shared_path("data", "cifar10-subset"),
+                                      out)["cifar10_test_lmdb"]
+        shutil.copy(caffemodels / "cifar10_mean.binaryproto", out / "mean.binaryproto")
+    net = build_from_file(models / name / "train_val.prototxt", caffemodels / weights)
+    batch = net.blobs["data"].shape[0]
+    scores = [float(net.forward()["accuracy"]) for _ in range(test_images // batch)]
+    assert np.mean(scores) == pytest.approx(accuracy, abs=5e-4)
