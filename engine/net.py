@@ -185,12 +185,8 @@ class Net:
         available: list[str] = []
         owners: dict[str, tuple[Blob, int]] = {}  # shared param name -> (blob, learnable idx)
         layer_need_backward: list[bool] = []
-        names_seen: set[str] = set()
 
         for li, lp in enumerate(self.param.layer):
-            if lp.name in names_seen:
-                raise NetError(f"layer '{lp.name}': duplicate layer name")
-            names_seen.add(lp.name)
             if len(lp.propagate_down) and len(lp.propagate_down) != len(lp.bottom):
                 raise NetError(f"layer '{lp.name}': propagate_down has {len(lp.propagate_down)} "
                                f"entries for {len(lp.bottom)} bottoms")
@@ -258,7 +254,10 @@ class Net:
             self.bottom_vecs.append(bottoms)
             self.top_vecs.append(tops)
             self.bottom_need_backward.append(need_bw)
-            self.params[lp.name] = layer.blobs
+            if lp.name not in self.params or not self.params[lp.name]:
+                # Caffe allows two layers of one name (MNIST autoencoder's two "loss" layers);
+                # by name, the first one with parameters is the one found, as in Caffe.
+                self.params[lp.name] = layer.blobs
             layer_need_backward.append(need_backward)
             for name in lp.top:
                 blob_need_backward[name] = blob_need_backward.get(name, False) or need_backward
@@ -273,7 +272,9 @@ class Net:
                 layer.param_propagate_down = [True] * len(layer.blobs)
         self.layer_need_backward = layer_need_backward
         self.output_blob_names = sorted(available)  # Caffe keeps them in a std::set
-        self.layer_by_name = dict(zip(self.layer_names, self.layers))
+        self.layer_by_name = {}
+        for name, layer in zip(self.layer_names, self.layers):
+            self.layer_by_name.setdefault(name, layer)
         self.data_layers = [l for l in self.layers if hasattr(l, "seek")]
 
     def _append_param(self, li: int, lp: Any, pj: int, blob: Blob, spec: Any,
