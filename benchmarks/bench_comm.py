@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from engine.comm.hosts import free_base_port  # noqa: E402  (after the path is set)
+from engine.data.converters import convert_digits  # noqa: E402
 BATCH = 32
 HIDDEN = 1024
 
@@ -83,26 +85,6 @@ if rank == 0:
     print(json.dumps({{"iter_per_s": (iters - warm) / dt}}))
 dist.destroy_process_group()
 """
-
-
-def free_base_port(n: int) -> int:
-    """A base port below the ephemeral range with 2n free ports (worker + shard per node)."""
-    import random
-    for _ in range(200):
-        base = random.randrange(20000, 32000 - 2 * n)
-        try:
-            socks = []
-            for p in range(base, base + 2 * n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports")
 
 
 def one_thread_env() -> dict[str, str]:
@@ -177,8 +159,6 @@ def main(argv: list[str] | None = None) -> int:
                      "poseidon": [], "ddp": []}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        sys.path.insert(0, str(ROOT))
-        from engine.data.converters import convert_digits
         convert_digits(work / "digits")
         db = work / "digits" / "digits_train_lmdb"
         for n in sizes:

@@ -26,7 +26,7 @@ from engine.comm.planner import cost_ps_node, cost_ps_worker, cost_sfb
 from engine.pb import caffe_pb2
 from engine.pb import poseidon_pb2 as pb
 from tests.conftest import shared_path
-from tests.test_comm_transport import free_base_port
+from engine.comm.hosts import free_base_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TOTAL_BATCH = 32

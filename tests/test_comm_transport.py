@@ -1,42 +1,18 @@
 """Hosts files, the wire header, and validation: forged messages are dropped, the receiver lives."""
 from __future__ import annotations
 
-import random
-import socket
 import time
 
 import numpy as np
 import pytest
 import zmq
 
-from engine.comm.hosts import DEFAULT_PORT, HostsError, parse_hosts, parse_hosts_text
+from engine.comm.hosts import (DEFAULT_PORT, HostsError, free_base_port, parse_hosts,
+                               parse_hosts_text)
 from engine.comm.errors import CommError
 from engine.comm.transport import SHARD, WORKER, Endpoint, header, message_key
 from engine.pb import poseidon_pb2 as pb
 from tests.conftest import shared_path
-
-
-def free_base_port(n: int) -> int:
-    """A base port such that base .. base + 2n - 1 are all free on 127.0.0.1.
-
-    Drawn below the kernel's ephemeral range, where outgoing connections cannot take it.
-    """
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 32000 - 2 * n)
-        socks = []
-        try:
-            for p in range(base, base + 2 * n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports")
 
 
 def local_hosts(n: int):

@@ -11,6 +11,7 @@ cluster); their port pairs must then not overlap.
 """
 from __future__ import annotations
 
+import random
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,3 +126,26 @@ def local_addresses() -> set[str]:
 def is_local(entry: HostEntry, local: set[str] | None = None) -> bool:
     local = local_addresses() if local is None else local
     return entry.host in local or entry.host.startswith("127.")
+
+
+def free_base_port(n: int) -> int:
+    """A base port such that base .. base + 2n - 1 are all free on 127.0.0.1.
+
+    Drawn below the kernel's ephemeral range, where outgoing connections cannot take it.
+    """
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32000 - 2 * n)
+        socks = []
+        try:
+            for p in range(base, base + 2 * n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
