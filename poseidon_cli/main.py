@@ -5,7 +5,7 @@ import contextlib
 import importlib
 import os
 import sys
-from typing import Iterator
+from typing import Iterator, NoReturn
 
 import click
 
@@ -76,7 +76,7 @@ def user_errors() -> Iterator[None]:
         fail(str(e) or type(e).__name__)
 
 
-def fail(message: str, code: int = 1) -> "NoReturn":  # type: ignore[name-defined]
+def fail(message: str, code: int = 1) -> NoReturn:
     """Print a one-line error and exit non-zero: the one way commands report bad input."""
     click.echo(f"poseidon: error: {message}", err=True)
     sys.exit(code)

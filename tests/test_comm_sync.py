@@ -69,7 +69,6 @@ def worker_main(rank, hosts, scheme, rounds, chunk_bytes, backward_s, out):
 
         ep = open_worker(rank, hosts, timeout=10)
         sync = Syncer(ep, layers, schemes, layout, update)
-        t_release, t_applied = {}, {}
         for rnd in range(rounds):
             for layer in blobs:                        # forward: per-layer wait
                 sync.wait(layer)
@@ -79,7 +78,6 @@ def worker_main(rank, hosts, scheme, rounds, chunk_bytes, backward_s, out):
                 time.sleep(backward_s)
                 for b, d in zip(blobs[layer], g[layer]):
                     b.diff[...] = d
-                t_release[(rnd, layer)] = time.perf_counter()
                 sync.release(layer)
         sync.wait_all()
         sync.close()
