@@ -5,6 +5,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from . import backend
 from .net import Net
 
 
@@ -37,9 +40,9 @@ class TimingReport:
 
 def _sync() -> None:
     """Wait for queued GPU work so wall-clock times mean something."""
-    from . import backend
-    if backend.xp_default() is not backend.np:
-        backend.xp_default().cuda.Device().synchronize()
+    xp = backend.xp_default()
+    if xp is not np:
+        xp.cuda.Device().synchronize()
 
 
 def time_net(net: Net, iterations: int = 50) -> TimingReport:
