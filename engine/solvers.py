@@ -173,6 +173,15 @@ class Nesterov(UpdateRule):
         diff[...] = previous
 
 
+def _divide_by_root(diff: Any, h: Any, delta: Any, local_rate: float) -> None:
+    """AdaGrad's and RMSProp's step, in place: diff = rate * diff / (sqrt(h) + delta),
+    in Caffe's float32 order of operations."""
+    update = get_array_module(diff).sqrt(h)
+    update += delta
+    diff /= update
+    diff *= f32(local_rate)
+
+
 class AdaGrad(UpdateRule):
     name = "AdaGrad"
 
@@ -182,13 +191,9 @@ class AdaGrad(UpdateRule):
             raise SolverError("solver: momentum cannot be used with AdaGrad")
 
     def compute(self, diff: Any, history: Sequence[Any], local_rate: float, it: int) -> None:
-        xp = get_array_module(diff)
         h = history[0]
         h += diff * diff
-        update = xp.sqrt(h)
-        update += self.delta
-        diff /= update
-        diff *= f32(local_rate)
+        _divide_by_root(diff, h, self.delta, local_rate)
 
 
 class RMSProp(UpdateRule):
@@ -203,14 +208,10 @@ class RMSProp(UpdateRule):
         self.rms_decay = f32(param.rms_decay)
 
     def compute(self, diff: Any, history: Sequence[Any], local_rate: float, it: int) -> None:
-        xp = get_array_module(diff)
         h = history[0]
         h *= self.rms_decay
         h += (f32(1) - self.rms_decay) * (diff * diff)
-        update = xp.sqrt(h)
-        update += self.delta
-        diff /= update
-        diff *= f32(local_rate)
+        _divide_by_root(diff, h, self.delta, local_rate)
 
 
 class AdaDelta(UpdateRule):
