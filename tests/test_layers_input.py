@@ -3,23 +3,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from google.protobuf import text_format
 
 from engine import backend
 from engine.blob import Blob
-from engine.layers import LayerError, create_layer
-from engine.pb import caffe_pb2
+from engine.layers import LayerError
+from tests.gradcheck import make_layer
 
 
 def make(text: str, ntop: int):
-    param = caffe_pb2.LayerParameter()
-    text_format.Parse(text, param)
-    layer = create_layer(param, "TRAIN")
     top = [Blob() for _ in range(ntop)]
-    layer.check_blob_counts([], top)
-    layer.setup([], top)
-    layer.reshape([], top)
-    return layer, top
+    return make_layer(text, [], top), top
 
 
 def test_input_one_shape_for_all_tops() -> None:

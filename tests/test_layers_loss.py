@@ -7,7 +7,7 @@ import pytest
 
 from engine.blob import Blob
 from engine.layers import LayerError
-from tests.gradcheck import check_layer_gradients
+from tests.gradcheck import blob_of, check_layer_gradients
 from tests.test_layers_common import blobs, make, tops
 
 FLT_MIN = np.finfo(np.float32).tiny
@@ -260,9 +260,7 @@ def test_lenet_tail_matches_caffe() -> None:
     f32 = np.float32
 
     def blob(arr: np.ndarray) -> Blob:
-        b = Blob(arr.shape, dtype=f32)
-        b.data[...] = arr
-        return b
+        return blob_of(np.asarray(arr, dtype=f32))
 
     ip_spec = "name:'{n}' type:'InnerProduct' inner_product_param{{num_output:{o}}}"
     pool2 = blob(z["train/blob/pool2/data"])
