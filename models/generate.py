@@ -231,26 +231,30 @@ def alexnet_body(b: NetBuilder, caffenet: bool) -> list[Head]:
 
 def classifier_mlp(b: NetBuilder, x: str, classes: int, last: str,
                    hidden_filler: caffe_pb2.FillerParameter,
-                   last_filler: caffe_pb2.FillerParameter, hidden_bias: float) -> str:
+                   last_filler: caffe_pb2.FillerParameter, hidden_bias: float,
+                   hidden: int = 4096) -> str:
     """AlexNet's and VGG's fc6/fc7 (4096, ReLU, dropout 0.5) and the class layer."""
     for i in (6, 7):
-        x = b.fc(f"fc{i}", x, 4096, filler=hidden_filler, bias=hidden_bias)
+        x = b.fc(f"fc{i}", x, hidden, filler=hidden_filler, bias=hidden_bias)
         b.dropout(f"drop{i}", b.relu(f"relu{i}", x), 0.5)
     return b.fc(last, x, classes, filler=last_filler)
 
 
 def vgg_body(b: NetBuilder, convs_per_block: tuple[int, ...], classes: int = 1000,
-             last: str = "fc8") -> list[Head]:
+             last: str = "fc8", narrow: int = 1) -> list[Head]:
     """VGG: five blocks of 3x3 convs (64, 128, 256, 512, 512 channels), each ending in a
     2x2 max pool, then the fc6/fc7/classifier MLP. MSRA init trains it from scratch
-    without the paper's shallower-net warm start (He et al. 2015)."""
+    without the paper's shallower-net warm start (He et al. 2015). ``narrow`` divides every
+    width (channels, hidden units; the caller divides the classes)."""
     x = "data"
-    for i, (reps, width) in enumerate(zip(convs_per_block, (64, 128, 256, 512, 512)), 1):
+    widths = [w // narrow for w in (64, 128, 256, 512, 512)]
+    for i, (reps, width) in enumerate(zip(convs_per_block, widths), 1):
         for j in range(1, reps + 1):
             x = b.relu(f"relu{i}_{j}", b.conv(f"conv{i}_{j}", x, width, 3, pad=1,
                                                filler=msra()))
         x = b.pool(f"pool{i}", x, P.MAX, 2, 2)
-    return [Head(classifier_mlp(b, x, classes, last, gaussian(0.005), gaussian(0.01), 0.1))]
+    return [Head(classifier_mlp(b, x, classes, last, gaussian(0.005), gaussian(0.01), 0.1,
+                                hidden=4096 // narrow))]
 
 
 # (#1x1, #3x3 reduce, #3x3, #5x5 reduce, #5x5, pool projection) per module, Szegedy et al. Table 1
@@ -409,6 +413,16 @@ MODELS = [
           "LMDBs (labels below 21,841 are valid) unless you point it at ImageNet-22K ones.",
           lambda b: vgg_body(b, (2, 2, 4, 4, 4), classes=21841, last="fc8_22k"), 224, 32,
           VGG_SOLVER, VGG_SOLVER_ABOUT),
+    Model("vgg19_22k_s4", "VGG19_22K_S4",
+          "VGG-19-22K narrowed 4x for the emulated cluster (poseidon bench cluster): every "
+          "width / 4 (convs 16..128 channels, fc6/fc7 1024, 5,460 classes), so parameters and "
+          "FLOPs are both ~1/16 of VGG-19-22K's and its ratios stay: fc layers hold 91% of the "
+          "parameters (10.4x the convs), and compute per byte of gradient is the same. "
+          "iter_size 1, so the hybrid planner may use SFB.",
+          lambda b: vgg_body(b, (2, 2, 4, 4, 4), classes=21841 // 4, last="fc8_22k", narrow=4),
+          224, 32, {**VGG_SOLVER, "iter_size": 1},
+          "32 images per iteration per worker, no accumulation (SFB needs iter_size 1); "
+          "otherwise VGG's schedule."),
     Model("resnet50", "ResNet-50",
           "ResNet-50 (He, Zhang, Ren & Sun, CVPR 2016): bottleneck residual blocks "
           "(3, 4, 6, 3) with BatchNorm + Scale after every conv and projection shortcuts. "

@@ -52,9 +52,11 @@ ZOO = {
     "vgg16": Zoo(3, 224, 1000, 138_357_544, 50_000, 32),
     "vgg19": Zoo(3, 224, 1000, 143_667_240, 50_000, 32),
     "vgg19_22k": Zoo(3, 224, 21_841, 229_052_817, 50_000, 32),
+    "vgg19_22k_s4": Zoo(3, 224, 5_460, 14_322_532, 50_000, 32),
     "resnet50": Zoo(3, 224, 1000, 25_557_032, 50_000, 32),  # global pool5
 }
-HEAVY = {"alexnet", "caffenet", "googlenet", "vgg16", "vgg19", "vgg19_22k", "resnet50"}
+HEAVY = {"alexnet", "caffenet", "googlenet", "vgg16", "vgg19", "vgg19_22k", "vgg19_22k_s4",
+         "resnet50"}
 
 
 def slow_if_heavy(names: list[str] | dict[str, Zoo]) -> list:
@@ -205,7 +207,8 @@ def test_deploy_matches_train_val(name):
 def test_generated_files_are_current():
     rendered = load_generator().render_all()
     assert {p.split("/")[0] for p in rendered} == {
-        "alexnet", "caffenet", "googlenet", "vgg16", "vgg19", "vgg19_22k", "resnet50"}
+        "alexnet", "caffenet", "googlenet", "vgg16", "vgg19", "vgg19_22k", "vgg19_22k_s4",
+        "resnet50"}
     for rel, text in rendered.items():
         # compared as messages: protobuf versions may print floats differently
         kind = caffe_pb2.SolverParameter if rel.endswith("solver.prototxt") else \
