@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import CommError
@@ -30,6 +30,8 @@ class HostEntry:
     rank: int
     host: str
     port: int
+    #: where the entry was read ("hosts.txt:3"), for error messages
+    where: str = field(default="", compare=False)
 
     @property
     def shard_port(self) -> int:
@@ -71,11 +73,12 @@ def parse_hosts_text(text: str, name: str = "<hosts>") -> list[HostEntry]:
             except ValueError:
                 raise HostsError(f"{where}: id {fields[0]!r} is not a number "
                                  "(expected '<id> <ip> <port>' or '<ip>[:<port>]')") from None
-            entry = HostEntry(rank, fields[1], _parse_port(fields[2], where))
+            entry = HostEntry(rank, fields[1], _parse_port(fields[2], where), where)
         elif len(fields) == 1:
             host, _, port = fields[0].rpartition(":") if ":" in fields[0] else (fields[0], "", "")
             entry = HostEntry(index, host,
-                              _parse_port(port, where) if port else DEFAULT_PORT + 2 * index)
+                              _parse_port(port, where) if port else DEFAULT_PORT + 2 * index,
+                              where)
         else:
             raise HostsError(f"{where}: expected '<id> <ip> <port>' or '<ip>[:<port>]', got {line!r}")
         if entry.rank in by_rank:
@@ -104,12 +107,30 @@ def _check_ports(entries: list[HostEntry], name: str) -> None:
 
 
 def parse_hosts(path: str | Path) -> list[HostEntry]:
+    """The entries of a hosts file; every host name must resolve."""
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as e:
         raise HostsError(f"cannot read hosts file {p}: {e.strerror}") from None
-    return parse_hosts_text(text, str(p))
+    entries = parse_hosts_text(text, str(p))
+    check_resolvable(entries)
+    return entries
+
+
+def check_resolvable(entries: list[HostEntry]) -> None:
+    """A name that does not resolve (a typo such as 'localhsot') is named at once: otherwise
+    it passes for a remote machine and the run waits out its whole start-up timeout."""
+    seen: set[str] = set()
+    for e in entries:
+        if e.host in seen:
+            continue
+        seen.add(e.host)
+        try:
+            socket.getaddrinfo(e.host, None)
+        except (OSError, UnicodeError) as err:
+            why = getattr(err, "strerror", None) or str(err)
+            raise HostsError(f"{e.where or 'hosts'}: host {e.host!r} does not resolve ({why})") from None
 
 
 def local_addresses() -> set[str]:
