@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import click
+import numpy as np
 from google.protobuf import text_format
 
 from engine import caffe_io
@@ -65,6 +66,17 @@ def _info_rows(path: str) -> tuple[list[str], list[list[str]], str]:
         rows = [[l.name, l.type, ", ".join(l.bottom), ", ".join(l.top)] for l in msg.layer]
         return (["layer", "type", "bottom", "top"], rows,
                 f"{path}: net '{msg.name}', {len(msg.layer)} layers")
+    if path.lower().endswith(".binaryproto"):  # a mean image, or any one blob
+        a = caffe_io.read_blobproto(path)
+        shape = "x".join(str(d) for d in a.shape) or "scalar"
+        rows = [["shape", shape], ["count", f"{a.size:,}"]]
+        if a.size:
+            rows += [[k, f"{f(a):.6g}"] for k, f in (("min", np.min), ("max", np.max),
+                                                     ("mean", np.mean))]
+        if a.ndim == 4:  # N x C x H x W: the per-channel means a Caffe user sets as mean_value
+            means = ", ".join(f"{m:.4g}" for m in a.mean(axis=(0, 2, 3)))
+            rows.append(["channel means", means])
+        return ["field", "value"], rows, f"{path}: blob {shape}"
     if caffe_io.weights_format(path) == "binary":
         weights = caffe_io.net_to_weights(caffe_io.read_net_binary(path), path)
     else:

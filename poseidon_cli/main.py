@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import re
 import sys
 from typing import Iterator, NoReturn
 
@@ -21,12 +22,34 @@ COMMANDS = {
 }
 
 
+#: Caffe's spellings of commands Poseidon names otherwise
+ALIASES = {"device_query": "device-query"}
+#: Caffe's gflags style: one dash before a long name (-solver, -sigint_effect=snapshot)
+CAFFE_FLAG = re.compile(r"^-([a-z][a-z0-9_]+)(=.*)?$")
+
+
+def caffe_flags(args: list[str]) -> list[str]:
+    """Caffe's single-dash long flags as click's double-dash ones (-gpu 0 -> --gpu 0).
+
+    Single letters (-h, -n) stay short options; negative numbers do not start with a letter.
+    """
+    out = []
+    for a in args:
+        m = CAFFE_FLAG.match(a)
+        out.append(f"--{m.group(1).replace('_', '-')}{m.group(2) or ''}" if m else a)
+    return out
+
+
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(name for name in COMMANDS if _find(name) is not None)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        return _find(name)
+        return _find(ALIASES.get(name, name))
+
+    def main(self, args: list[str] | None = None, *rest: object, **kwargs: object) -> object:
+        args = list(sys.argv[1:] if args is None else args)
+        return super().main(caffe_flags(args), *rest, **kwargs)  # type: ignore[arg-type]
 
 
 def _find(name: str) -> click.Command | None:
@@ -43,6 +66,7 @@ def _find(name: str) -> click.Command | None:
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="poseidon", prog_name="poseidon")
 def cli() -> None:
     """Poseidon: train Caffe models on many machines."""
     default_blas_threads()

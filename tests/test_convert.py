@@ -84,6 +84,21 @@ def test_info_lists_layers_shapes_and_counts() -> None:
     assert r.exit_code == 0 and "type" in r.output and '"Adam"' in r.output
 
 
+def test_info_on_a_mean_binaryproto(tmp_path: Path) -> None:
+    mean = np.zeros((1, 3, 2, 2), np.float32)
+    mean[0, 0], mean[0, 1], mean[0, 2] = 104.0, 117.0, 123.0
+    mean[0, 2, 1, 1] = 127.0
+    io.write_blobproto(tmp_path / "mean.binaryproto", mean)
+    r = run("--info", str(tmp_path / "mean.binaryproto"))
+    assert r.exit_code == 0, r.output
+    rows = {l.split("  ")[0]: l.split()[-1] if not l.startswith("channel") else l
+            for l in r.output.splitlines()[1:]}
+    assert r.output.splitlines()[0].endswith("mean.binaryproto: blob 1x3x2x2")
+    assert rows["shape"] == "1x3x2x2" and rows["count"] == "12"
+    assert rows["min"] == "104" and rows["max"] == "127"
+    assert rows["channel means"].split(None, 2)[2] == "104, 117, 124"
+
+
 def test_info_on_a_v1_net_prototxt() -> None:
     r = run("--info", shared_path("fixtures", "prototxt",
                                   "poseidon_v1__mnist__lenet_train_test.prototxt"))
