@@ -8,6 +8,24 @@ import click
 from .main import fail, user_errors
 
 
+def solver_gpu(solver: str) -> int | None:
+    """The GPU a solver asks for, as Caffe reads it when no -gpu flag is given: an explicit
+    ``solver_mode: GPU`` means device ``device_id`` (default 0). Without CuPy or a GPU here the
+    run goes on on the CPU, and says so once."""
+    from engine import backend
+    from engine.caffe_io import read_solver_prototxt
+    from engine.pb import caffe_pb2
+
+    param = read_solver_prototxt(solver)
+    if not (param.HasField("solver_mode") and param.solver_mode == caffe_pb2.SolverParameter.GPU):
+        return None
+    if backend.cupy_available():
+        return int(param.device_id)
+    click.echo(f"poseidon: warning: {solver} sets solver_mode: GPU, but CuPy or a GPU is "
+               "missing here: training on the CPU", err=True)
+    return None
+
+
 @click.command("train")
 @click.option("--solver", required=True, type=click.Path(dir_okay=False),
               help="The solver .prototxt (Caffe's, unchanged).")
@@ -45,6 +63,9 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: int | Non
             fail(f"--weights: {w} not found")
     if snapshot and not Path(snapshot).is_file():
         fail(f"--snapshot: {snapshot} not found")
+    if gpu is None:
+        with user_errors():
+            gpu = solver_gpu(solver)
     if hosts is not None:
         from engine.comm.launcher import run_from_cli
         with user_errors():

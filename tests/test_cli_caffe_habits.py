@@ -43,3 +43,20 @@ def test_version():
     done = run("--version")
     assert done.returncode == 0
     assert done.stdout.strip() == f"poseidon, version {version('poseidon')}"
+
+
+def test_solver_mode_gpu_without_a_gpu_warns_once_and_trains_on_the_cpu(tmp_path):
+    (tmp_path / "net.prototxt").write_text(GOOD)
+    solver = tmp_path / "solver.prototxt"
+    solver.write_text('net: "net.prototxt"\nbase_lr: 0.1\nlr_policy: "fixed"\nmax_iter: 2\n'
+                      f'snapshot_prefix: "{tmp_path}/s"\nsolver_mode: GPU\n')
+    from engine import backend
+    if backend.cupy_available():
+        import pytest
+        pytest.skip("a GPU is here: solver_mode: GPU then trains on it")
+    done = run("train", "-solver", str(solver))
+    assert done.returncode == 0, done.stderr
+    warnings = [l for l in done.stderr.splitlines() if l.startswith("poseidon: warning:")]
+    assert warnings == [f"poseidon: warning: {solver} sets solver_mode: GPU, but CuPy or a GPU "
+                        "is missing here: training on the CPU"]
+    assert (tmp_path / "s_iter_2.caffemodel").is_file()
