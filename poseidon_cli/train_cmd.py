@@ -8,7 +8,25 @@ import click
 from .main import fail, user_errors
 
 
-def solver_gpu(solver: str) -> int | None:
+def parse_gpus(text: str) -> list[int]:
+    """``--gpu``: 'N', 'N,M,...' or 'all' (every GPU CuPy sees) as device ids."""
+    from engine import backend
+
+    if text.strip().lower() == "all":
+        if not backend.cupy_available():
+            raise ValueError("--gpu all: CuPy sees no GPU here")
+        import cupy
+        return list(range(cupy.cuda.runtime.getDeviceCount()))
+    try:
+        ids = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--gpu {text!r}: expected a device id, a list such as 0,1, or all") from None
+    if any(i < 0 for i in ids):
+        raise ValueError(f"--gpu {text!r}: device ids are 0 or more")
+    return ids
+
+
+def solver_gpu(solver: str) -> list[int] | None:
     """The GPU a solver asks for, as Caffe reads it when no -gpu flag is given: an explicit
     ``solver_mode: GPU`` means device ``device_id`` (default 0). Without CuPy or a GPU here the
     run goes on on the CPU, and says so once."""
@@ -20,7 +38,7 @@ def solver_gpu(solver: str) -> int | None:
     if not (param.HasField("solver_mode") and param.solver_mode == caffe_pb2.SolverParameter.GPU):
         return None
     if backend.cupy_available():
-        return int(param.device_id)
+        return [int(param.device_id)]
     click.echo(f"poseidon: warning: {solver} sets solver_mode: GPU, but CuPy or a GPU is "
                "missing here: training on the CPU", err=True)
     return None
@@ -33,7 +51,9 @@ def solver_gpu(solver: str) -> int | None:
               help="Fine-tune from these weights: a.caffemodel[,b.caffemodel...] (.h5 too).")
 @click.option("--snapshot", default=None, type=click.Path(dir_okay=False),
               help="Resume from this .solverstate (or .solverstate.h5).")
-@click.option("--gpu", type=int, default=None, help="Train on this GPU (needs CuPy).")
+@click.option("--gpu", default=None, metavar="N|N,M,..|all",
+              help="Train on this GPU (needs CuPy); with --hosts, the local workers take the "
+              "listed GPUs (or all) round robin.")
 @click.option("--hosts", default=None, type=click.Path(dir_okay=False),
               help="Hosts file: train data-parallel on every host listed.")
 @click.option("--rank", type=int, default=None,
@@ -49,7 +69,7 @@ def solver_gpu(solver: str) -> int | None:
               help="Seconds before a silent peer is declared lost.")
 @click.option("--chunk-bytes", type=int, default=4 << 20, show_default=True,
               help="Largest piece of a parameter one PS shard holds.")
-def train(solver: str, weights: str | None, snapshot: str | None, gpu: int | None,
+def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | None,
           hosts: str | None, rank: int | None, comm: str, launch: str, stats: str | None,
           timeout: float, chunk_bytes: int) -> None:
     """Train a net from a Caffe solver, with Caffe's log lines and snapshots."""
@@ -63,13 +83,13 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: int | Non
             fail(f"--weights: {w} not found")
     if snapshot and not Path(snapshot).is_file():
         fail(f"--snapshot: {snapshot} not found")
-    if gpu is None:
-        with user_errors():
-            gpu = solver_gpu(solver)
+    with user_errors():
+        gpus = parse_gpus(gpu) if gpu is not None else solver_gpu(solver)
     if hosts is not None:
         from engine.comm.launcher import run_from_cli
         with user_errors():
-            run_from_cli(solver=solver, weights=weight_files, snapshot=snapshot, gpu=gpu,
+            run_from_cli(solver=solver, weights=weight_files, snapshot=snapshot,
+                         gpu=gpus,
                          hosts=hosts, rank=rank, comm=comm, launch=launch, stats=stats,
                          timeout=timeout, chunk_bytes=chunk_bytes)
         return
@@ -78,9 +98,12 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: int | Non
     from engine.solver import Solver
 
     with user_errors():
-        if gpu is not None:
-            backend.use_gpu(gpu)
-            glog.info(f"Use GPU with device ID {gpu}")
+        if gpus is not None:
+            if len(gpus) > 1:
+                fail(f"--gpu {gpu}: one process trains on one GPU; give --hosts to train on "
+                     "several")
+            backend.use_gpu(gpus[0])
+            glog.info(f"Use GPU with device ID {gpus[0]}")
         else:
             glog.info("Use CPU.")
         s = Solver(solver)

@@ -54,7 +54,7 @@ def worker_command(rank: int, solver: str, hosts: str, comm: str, timeout: float
     if chunk_bytes != DEFAULT_CHUNK_BYTES:
         cmd += ["--chunk-bytes", str(chunk_bytes)]
     for flag, value in (("--weights", weights), ("--snapshot", snapshot), ("--gpu", gpu)):
-        if value:
+        if value is not None and value != "" and value != []:  # GPU 0 is a value
             cmd += [flag, value if isinstance(value, str) else ",".join(map(str, value))
                     if isinstance(value, (list, tuple)) else str(value)]
     if stats is not None and rank == 0:
@@ -100,7 +100,8 @@ def run_from_cli(solver: str, hosts: str, rank: int | None = None, comm: str = "
         return
     if not 0 <= rank < len(entries):
         raise CommError(f"--rank {rank} out of range: {hosts} lists {len(entries)} hosts")
-    run_worker(entries, rank, solver, hosts, comm, stats, timeout, weights, snapshot, gpu,
+    run_worker(entries, rank, solver, hosts, comm, stats, timeout, weights, snapshot,
+               assign_gpus(entries, gpu)[rank],
                chunk_bytes)
 
 
@@ -115,11 +116,12 @@ def launch_all(entries: list[HostEntry], solver: str, hosts: str, comm: str, lau
         print(f"poseidon: {len(remote)} hosts are not this machine; start them with "
               f"`poseidon train ... --rank N` there (or use --launch ssh): "
               + ", ".join(f"rank {e.rank} at {e}" for e in remote), file=sys.stderr)
+    gpu_of = assign_gpus(entries, gpu)
     previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill launcher` stops all too
     try:
         for e in entries:
             cmd = worker_command(e.rank, solver, hosts, comm, timeout, chunk_bytes, weights,
-                                 snapshot, gpu, stats)
+                                 snapshot, gpu_of[e.rank], stats)
             if not is_local(e, local):
                 if launch != "ssh":
                     continue
@@ -136,6 +138,20 @@ def launch_all(entries: list[HostEntry], solver: str, hosts: str, comm: str, lau
     finally:
         stop_all(procs)
         signal.signal(signal.SIGTERM, previous)
+
+
+def assign_gpus(entries: list[HostEntry], gpus: Sequence[int] | int | None) -> dict[int, int | None]:
+    """Each rank's GPU: the machine's workers take ``gpus`` round robin, in hosts-file order."""
+    if gpus is None:
+        return {e.rank: None for e in entries}
+    ids = [gpus] if isinstance(gpus, int) else list(gpus)
+    seen: dict[str, int] = {}
+    out: dict[int, int | None] = {}
+    for e in entries:
+        i = seen.get(e.host, 0)
+        seen[e.host] = i + 1
+        out[e.rank] = ids[i % len(ids)]
+    return out
 
 
 def _interrupt(signum: int, frame: Any) -> None:
