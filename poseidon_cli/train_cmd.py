@@ -1,11 +1,30 @@
 """`poseidon train`: Caffe's `caffe train` — on one machine, or on many with --hosts."""
 from __future__ import annotations
 
+import contextlib
+import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import click
 
 from .main import fail, user_errors
+
+
+@contextlib.contextmanager
+def local_hosts(n: int | None) -> Iterator[str | None]:
+    """For ``-n N``: a hosts file of N workers on this machine's free ports, removed after the
+    run. Ports are probed at start, so two jobs on one machine do not collide."""
+    if n is None:
+        yield None
+        return
+    from engine.comm.hosts import free_base_port
+
+    with tempfile.TemporaryDirectory(prefix="poseidon-hosts-") as d:
+        path = Path(d) / "hosts.txt"
+        base = free_base_port(n)
+        path.write_text("".join(f"127.0.0.1:{base + 2 * i}\n" for i in range(n)))
+        yield str(path)
 
 
 def parse_gpus(text: str) -> list[int]:
@@ -56,6 +75,9 @@ def solver_gpu(solver: str) -> list[int] | None:
               "listed GPUs (or all) round robin.")
 @click.option("--hosts", default=None, type=click.Path(dir_okay=False),
               help="Hosts file: train data-parallel on every host listed.")
+@click.option("-n", "--np", "--nproc-per-node", "nproc", type=click.IntRange(min=1), default=None,
+              help="Train data-parallel on this many local workers, on free ports (no hosts "
+              "file).")
 @click.option("--rank", type=int, default=None,
               help="This process's rank in the hosts file (default: launch the local entries).")
 @click.option("--comm", type=click.Choice(["ps", "sfb", "hybrid"]), default="hybrid",
@@ -70,7 +92,7 @@ def solver_gpu(solver: str) -> list[int] | None:
 @click.option("--chunk-bytes", type=int, default=4 << 20, show_default=True,
               help="Largest piece of a parameter one PS shard holds.")
 def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | None,
-          hosts: str | None, rank: int | None, comm: str, launch: str, stats: str | None,
+          hosts: str | None, nproc: int | None, rank: int | None, comm: str, launch: str, stats: str | None,
           timeout: float, chunk_bytes: int) -> None:
     """Train a net from a Caffe solver, with Caffe's log lines and snapshots."""
     if weights and snapshot:
@@ -85,12 +107,14 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
         fail(f"--snapshot: {snapshot} not found")
     with user_errors():
         gpus = parse_gpus(gpu) if gpu is not None else solver_gpu(solver)
-    if hosts is not None:
+    if nproc is not None and (hosts is not None or rank is not None):
+        fail("-n starts local workers on free ports: give -n or --hosts/--rank, not both")
+    if hosts is not None or nproc is not None:
         from engine.comm.launcher import run_from_cli
-        with user_errors():
+        with user_errors(), local_hosts(nproc) as made:
             run_from_cli(solver=solver, weights=weight_files, snapshot=snapshot,
                          gpu=gpus,
-                         hosts=hosts, rank=rank, comm=comm, launch=launch, stats=stats,
+                         hosts=made or hosts, rank=rank, comm=comm, launch=launch, stats=stats,
                          timeout=timeout, chunk_bytes=chunk_bytes)
         return
 
