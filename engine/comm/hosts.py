@@ -11,6 +11,7 @@ cluster); their port pairs must then not overlap.
 """
 from __future__ import annotations
 
+import os
 import random
 import socket
 from dataclasses import dataclass, field
@@ -147,6 +148,34 @@ def local_addresses() -> set[str]:
 def is_local(entry: HostEntry, local: set[str] | None = None) -> bool:
     local = local_addresses() if local is None else local
     return entry.host in local or entry.host.startswith("127.")
+
+
+def port_owner(port: int) -> str | None:
+    """'pid 123 (python3)' for the process listening on TCP ``port`` here, when /proc tells
+    (Linux, and a process this user may inspect); None otherwise."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                inodes.add(f"socket:[{f[9]}]")
+    if not inodes:
+        return None
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for fd in (proc / "fd").iterdir():
+                if os.readlink(fd) in inodes:
+                    name = (proc / "comm").read_text().strip()
+                    return f"pid {proc.name} ({name})"
+        except OSError:
+            continue
+    return None
 
 
 def free_base_port(n: int) -> int:

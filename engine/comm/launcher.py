@@ -26,6 +26,7 @@ from typing import Any, Sequence
 from .errors import CommError
 from .hosts import HostEntry, is_local, local_addresses, parse_hosts
 from .planner import plan_layers, plan_table
+from .relay import ErrorRelay
 from .ps import DEFAULT_CHUNK_BYTES, ShardServer, make_layout
 from .stats import CommStats
 
@@ -117,6 +118,7 @@ def launch_all(entries: list[HostEntry], solver: str, hosts: str, comm: str, lau
               f"`poseidon train ... --rank N` there (or use --launch ssh): "
               + ", ".join(f"rank {e.rank} at {e}" for e in remote), file=sys.stderr)
     gpu_of = assign_gpus(entries, gpu)
+    relay = ErrorRelay()
     previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill launcher` stops all too
     try:
         for e in entries:
@@ -127,11 +129,13 @@ def launch_all(entries: list[HostEntry], solver: str, hosts: str, comm: str, lau
                     continue
                 cmd = ssh_command(e, cmd)
             # own session: Ctrl-C reaches the launcher only, which then stops everything
-            procs[f"worker {e.rank} ({e})"] = subprocess.Popen(cmd, start_new_session=True)
+            proc = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE)
+            relay.watch(proc)
+            procs[f"worker {e.rank} ({e})"] = proc
         if not procs:
             raise CommError(f"{hosts}: no entry is this machine; run `poseidon train ... --rank N` "
                             "on each host, or use --launch ssh")
-        supervise(procs)
+        supervise(procs, relay)
     except KeyboardInterrupt:
         stop_all(procs)
         raise CommError(f"interrupted: stopped all {len(procs)} worker processes") from None
@@ -158,8 +162,10 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def supervise(procs: dict[str, subprocess.Popen], poll_s: float = 0.1) -> None:
-    """Wait for every process; the first that fails stops the others and names itself."""
+def supervise(procs: dict[str, subprocess.Popen], relay: ErrorRelay | None = None,
+              poll_s: float = 0.1) -> None:
+    """Wait for every process; the first that fails stops the others. The error is the first
+    one a process reported (the real cause), else the failing process names itself."""
     running = dict(procs)
     while running:
         for name, p in list(running.items()):
@@ -169,6 +175,9 @@ def supervise(procs: dict[str, subprocess.Popen], poll_s: float = 0.1) -> None:
             del running[name]
             if rc != 0:
                 stop_all(running)
+                reported = relay.first_error(p) if relay is not None else None
+                if reported is not None:
+                    raise CommError(reported)
                 how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
                 raise CommError(f"{name} {how}; stopped the other {len(running)} workers")
         time.sleep(poll_s)
@@ -236,10 +245,22 @@ def run_worker(entries: list[HostEntry], rank: int, solver_path: str, hosts: str
                             "bytes_per_node": p.bytes_per_node, "ps_bytes": p.ps_bytes,
                             "sfb_bytes": p.sfb_bytes, "ring_bytes": p.ring_bytes} for p in plans]
     stats.extra.update(rank=rank, world_size=world, comm=comm)
-    shard = subprocess.Popen(shard_command(rank, hosts, timeout))
+    shard = subprocess.Popen(shard_command(rank, hosts, timeout), stderr=subprocess.PIPE)
+    shard_errors: list[str] = []
+    ep = None
+
+    def shard_failed(reason: str) -> None:  # e.g. its port is taken: stop now, not at timeout
+        shard_errors.append(reason)
+        if ep is not None:
+            ep.fatal(reason)
+
+    relay = ErrorRelay(on_error=shard_failed)
+    relay.watch(shard)
     try:
         ep = open_worker(rank, entries, timeout=timeout, stats=stats,
                          exit_grace=EXIT_GRACE_S, snapshot_hint=lambda: last_snapshot(prefix))
+        if shard_errors:
+            ep.fatal(shard_errors[0])
         display = solver.param.display
 
         def report(rnd: int) -> None:

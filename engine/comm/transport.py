@@ -27,7 +27,7 @@ import zmq
 from engine.pb import poseidon_pb2 as pb
 
 from .errors import CommError
-from .hosts import HostEntry
+from .hosts import HostEntry, port_owner
 from .stats import CommStats
 
 log = logging.getLogger("poseidon.comm")
@@ -118,7 +118,9 @@ class Endpoint:
             self._pull.bind(f"tcp://*:{port}")  # peers on other machines must reach it
         except zmq.ZMQError as e:
             self._ctx.destroy(linger=0)
-            raise CommError(f"{peer_name(me, self.hosts)}: cannot bind port {port}: {e}") from None
+            owner = port_owner(port)
+            held = f" (held by {owner})" if owner else ""
+            raise CommError(f"{peer_name(me, self.hosts)}: cannot bind port {port}{held}: {e}") from None
         self._push: dict[PeerId, zmq.Socket] = {}
         for p in self.peers:
             s = self._ctx.socket(zmq.PUSH)
