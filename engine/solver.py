@@ -34,6 +34,10 @@ from .solvers import SolverError, check_lr_policy, clip_scale, learning_rate, ma
 f32 = np.float32
 
 
+#: Caffe's defaults (-sigint_effect stop, -sighup_effect snapshot), and SIGTERM as SIGINT
+SIGNAL_EFFECTS = {"SIGINT": "stop", "SIGHUP": "snapshot", "SIGTERM": "stop"}
+
+
 class GradientSync(Protocol):
     """What the communicator plugs into the loop (engine.comm's syncer implements it)."""
 
@@ -46,6 +50,12 @@ class GradientSync(Protocol):
 
     def wait_all(self) -> None:
         """Block until every released layer is updated."""
+
+    def request(self, action: str) -> None:
+        """A signal asked this process for ``action`` ('snapshot' or 'stop')."""
+
+    def take_request(self) -> str | None:
+        """The action every process agreed to take now, at this iteration boundary."""
 
     def close(self) -> None:
         """Stop the communication threads."""
@@ -158,6 +168,9 @@ class Solver:
         self._losses: list[float] = []
         self._sync: GradientSync | None = None
         self._requests: list[str] = []
+        #: what each signal asks for: 'stop' (snapshot, then stop), 'snapshot' or 'none'.
+        #: SIGTERM is what SLURM and Kubernetes send before they kill.
+        self.signal_effects = dict(SIGNAL_EFFECTS)
         self._early_exit = False
         self._progress: Any = None
         for w in param.weights:
@@ -384,6 +397,8 @@ class Solver:
             self._losses[idx] = loss
 
     def _take_request(self) -> str | None:
+        if self._sync is not None:  # every worker must act at the same iteration
+            return self._sync.take_request()
         return self._requests.pop(0) if self._requests else None
 
     def step(self, iters: int) -> None:
@@ -608,28 +623,32 @@ class Solver:
         if action not in ("snapshot", "stop"):
             raise ValueError(f"unknown solver action {action!r}")
         self._requests.append(action)
+        if self._sync is not None:
+            self._sync.request(action)
 
     def _install_signals(self) -> Callable[[], None]:
-        """SIGINT: snapshot and stop (a second SIGINT interrupts at once); SIGHUP: snapshot."""
+        """Each signal of ``signal_effects`` asks for its action at the next iteration boundary
+        ('none' ignores it). A second stop signal interrupts at once."""
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
-        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, getattr(signal, "SIGHUP", None)) if s}
+        previous = {}
 
-        def on_int(signum: int, frame: Any) -> None:
-            if "stop" in self._requests:
+        def handler(signum: int, frame: Any) -> None:
+            action = self.signal_effects[signal.Signals(signum).name]
+            if action == "none":
+                return
+            if action == "stop" and "stop" in self._requests:
                 raise KeyboardInterrupt
-            self.request("stop")
+            self.request(action)
 
-        def on_hup(signum: int, frame: Any) -> None:
-            self.request("snapshot")
-
-        signal.signal(signal.SIGINT, on_int)
-        if hasattr(signal, "SIGHUP"):
-            signal.signal(signal.SIGHUP, on_hup)
+        for name, action in self.signal_effects.items():
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                previous[sig] = signal.signal(sig, handler)
 
         def restore() -> None:
-            for s, h in previous.items():
-                signal.signal(s, h)
+            for sig, h in previous.items():
+                signal.signal(sig, h)
         return restore
 
     def _images_per_iter(self) -> int:

@@ -10,6 +10,9 @@ import click
 
 from .main import fail, user_errors
 
+#: Caffe's -sigint_effect / -sighup_effect values
+SIGNAL_ACTIONS = ("stop", "snapshot", "none")
+
 
 @contextlib.contextmanager
 def local_hosts(n: int | None) -> Iterator[str | None]:
@@ -91,9 +94,14 @@ def solver_gpu(solver: str) -> list[int] | None:
               help="Seconds before a silent peer is declared lost.")
 @click.option("--chunk-bytes", type=int, default=4 << 20, show_default=True,
               help="Largest piece of a parameter one PS shard holds.")
+@click.option("--sigint-effect", type=click.Choice(SIGNAL_ACTIONS), default="stop",
+              show_default=True, help="What SIGINT (Ctrl-C) and SIGTERM do at the next "
+              "iteration: snapshot then stop, snapshot and go on, or nothing (Caffe's flag).")
+@click.option("--sighup-effect", type=click.Choice(SIGNAL_ACTIONS), default="snapshot",
+              show_default=True, help="What SIGHUP does (Caffe's flag).")
 def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | None,
           hosts: str | None, nproc: int | None, rank: int | None, comm: str, launch: str, stats: str | None,
-          timeout: float, chunk_bytes: int) -> None:
+          timeout: float, chunk_bytes: int, sigint_effect: str, sighup_effect: str) -> None:
     """Train a net from a Caffe solver, with Caffe's log lines and snapshots."""
     if weights and snapshot:
         fail("give --weights (fine-tune) or --snapshot (resume), not both")
@@ -107,6 +115,8 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
         fail(f"--snapshot: {snapshot} not found")
     with user_errors():
         gpus = parse_gpus(gpu) if gpu is not None else solver_gpu(solver)
+    # SIGTERM (SLURM's and Kubernetes' notice before they kill) does what SIGINT does
+    effects = {"SIGINT": sigint_effect, "SIGTERM": sigint_effect, "SIGHUP": sighup_effect}
     if nproc is not None and (hosts is not None or rank is not None):
         fail("-n starts local workers on free ports: give -n or --hosts/--rank, not both")
     if hosts is not None or nproc is not None:
@@ -115,7 +125,7 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
             run_from_cli(solver=solver, weights=weight_files, snapshot=snapshot,
                          gpu=gpus,
                          hosts=made or hosts, rank=rank, comm=comm, launch=launch, stats=stats,
-                         timeout=timeout, chunk_bytes=chunk_bytes)
+                         timeout=timeout, chunk_bytes=chunk_bytes, signal_effects=effects)
         return
 
     from engine import backend, glog
@@ -131,6 +141,7 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
         else:
             glog.info("Use CPU.")
         s = Solver(solver)
+        s.signal_effects = effects
         try:
             for w in weight_files:
                 s.load_weights(w)

@@ -4,6 +4,8 @@ There is no GPU in CI, so this is checked at the level of each worker's command 
 """
 from __future__ import annotations
 
+import io
+
 import pytest
 
 from engine.comm import launcher
@@ -34,6 +36,7 @@ class FakeWorker:
         FakeWorker.commands.append(cmd)
         self.pid = 0
         self.returncode = 0
+        self.stderr = io.BytesIO()  # read to its end by the launcher's error relay
 
     def poll(self) -> int:
         return 0

@@ -177,11 +177,12 @@ def test_ctrl_c_on_the_launcher_stops_every_process(digits_db, tmp_path):  # noq
         pids += children(launcher.pid)
         pids += [c for w in pids[1:] for c in children(w)]
         assert len(pids) == 5  # launcher, 2 workers, 2 shards
-        os.kill(launcher.pid, signal.SIGINT)
+        os.kill(launcher.pid, signal.SIGINT)  # as Caffe: snapshot, stop, exit 0
         launcher.wait(timeout=DEADLINE)
-        assert launcher.returncode != 0
+        assert launcher.returncode == 0, log.read_text()[-2000:]
         wait_gone([launcher], pids[1:], DEADLINE)
-        assert "poseidon: error: interrupted: stopped all 2 worker processes" in log.read_text()
+        assert "Optimization stopped early." in log.read_text()
+        assert len(list(tmp_path.glob("long_iter_*.caffemodel"))) == 1
     finally:
         kill_all(pids)
         launcher.wait()

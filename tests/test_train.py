@@ -136,6 +136,13 @@ class InlineSync:
         self.solver, self.threaded = solver, threaded
         self.pending: dict[int, threading.Thread] = {}
         self.released: list[int] = []
+        self.requests: list[str] = []
+
+    def request(self, action: str) -> None:
+        self.requests.append(action)  # one worker: agreed at once
+
+    def take_request(self) -> str | None:
+        return self.requests.pop(0) if self.requests else None
 
     def release(self, layer: int) -> None:
         self.released.append(layer)

@@ -48,10 +48,15 @@ def rank_from_env(environ: dict[str, str] | None = None) -> int | None:
 
 def worker_command(rank: int, solver: str, hosts: str, comm: str, timeout: float,
                    chunk_bytes: int, weights: str | Sequence[str] | None, snapshot: str | None,
-                   gpu: Any, stats: str | None) -> list[str]:
+                   gpu: Any, stats: str | None,
+                   signal_effects: dict[str, str] | None = None) -> list[str]:
     """The command line of worker ``rank`` (the same `poseidon train`, with ``--rank``)."""
     cmd = [sys.executable, "-m", "poseidon_cli.main", "train", "--solver", solver, "--hosts", hosts,
            "--rank", str(rank), "--comm", comm, "--timeout", f"{timeout:g}"]
+    effects = signal_effects or {}
+    for flag, sig in (("--sigint-effect", "SIGINT"), ("--sighup-effect", "SIGHUP")):
+        if sig in effects:
+            cmd += [flag, effects[sig]]
     if chunk_bytes != DEFAULT_CHUNK_BYTES:
         cmd += ["--chunk-bytes", str(chunk_bytes)]
     for flag, value in (("--weights", weights), ("--snapshot", snapshot), ("--gpu", gpu)):
@@ -87,7 +92,8 @@ def last_snapshot(prefix: Path | None) -> str:
 def run_from_cli(solver: str, hosts: str, rank: int | None = None, comm: str = "hybrid",
                  launch: str = "local", stats: str | None = None, timeout: float = 30.0,
                  weights: str | None = None, snapshot: str | None = None,
-                 gpu: Any = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, **_: Any) -> None:
+                 gpu: Any = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 signal_effects: dict[str, str] | None = None, **_: Any) -> None:
     """What `poseidon train --hosts H` does; raises CommError with a one-line message."""
     if launch not in ("local", "ssh"):
         raise CommError(f"--launch must be 'local' or 'ssh', got {launch!r}")
@@ -97,19 +103,22 @@ def run_from_cli(solver: str, hosts: str, rank: int | None = None, comm: str = "
     rank = rank if rank is not None else rank_from_env()
     if rank is None:
         launch_all(entries, solver, hosts, comm, launch, stats, timeout, weights, snapshot, gpu,
-                   chunk_bytes)
+                   chunk_bytes, signal_effects)
         return
     if not 0 <= rank < len(entries):
         raise CommError(f"--rank {rank} out of range: {hosts} lists {len(entries)} hosts")
     run_worker(entries, rank, solver, hosts, comm, stats, timeout, weights, snapshot,
-               assign_gpus(entries, gpu)[rank],
-               chunk_bytes)
+               assign_gpus(entries, gpu)[rank], chunk_bytes, signal_effects)
 
 
 # ------------------------------------------------------------------------------ the launcher
 def launch_all(entries: list[HostEntry], solver: str, hosts: str, comm: str, launch: str,
                stats: str | None, timeout: float, weights: str | None, snapshot: str | None,
-               gpu: Any, chunk_bytes: int) -> None:
+               gpu: Any, chunk_bytes: int, signal_effects: dict[str, str] | None = None) -> None:
+    """Start every local worker (and, with ssh, the remote ones) and supervise them. SIGINT,
+    SIGTERM and SIGHUP are passed on to each local worker, which acts on them as the solver's
+    signal effects say, at the iteration all workers agree on (engine/comm/syncer.py); a
+    second SIGINT or SIGTERM stops every process at once."""
     local = local_addresses()
     procs: dict[str, subprocess.Popen] = {}
     remote = [e for e in entries if not is_local(e, local)]
@@ -119,11 +128,30 @@ def launch_all(entries: list[HostEntry], solver: str, hosts: str, comm: str, lau
               + ", ".join(f"rank {e.rank} at {e}" for e in remote), file=sys.stderr)
     gpu_of = assign_gpus(entries, gpu)
     relay = ErrorRelay()
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill launcher` stops all too
+    effects = signal_effects or {}
+    forwarded: set[int] = set()
+
+    def forward(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if effects.get(name if name != "SIGTERM" else "SIGINT", "") == "none":
+            return
+        if signum != signal.SIGHUP and signum in forwarded:
+            raise KeyboardInterrupt  # asked twice: stop now
+        forwarded.add(signum)
+        for p in procs.values():
+            if p.poll() is None:
+                try:
+                    os.kill(p.pid, signum)  # the worker alone: it stops its own shard
+                except ProcessLookupError:
+                    pass
+
+    # set explicitly: a launcher started in the background by a script inherits SIGINT ignored
+    handled = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s]
+    previous = {s: signal.signal(s, forward) for s in handled}
     try:
         for e in entries:
             cmd = worker_command(e.rank, solver, hosts, comm, timeout, chunk_bytes, weights,
-                                 snapshot, gpu_of[e.rank], stats)
+                                 snapshot, gpu_of[e.rank], stats, signal_effects)
             if not is_local(e, local):
                 if launch != "ssh":
                     continue
@@ -138,10 +166,12 @@ def launch_all(entries: list[HostEntry], solver: str, hosts: str, comm: str, lau
         supervise(procs, relay)
     except KeyboardInterrupt:
         stop_all(procs)
-        raise CommError(f"interrupted: stopped all {len(procs)} worker processes") from None
+        raise CommError(f"interrupted twice: stopped all {len(procs)} worker processes at once, "
+                        "without a snapshot") from None
     finally:
         stop_all(procs)
-        signal.signal(signal.SIGTERM, previous)
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def assign_gpus(entries: list[HostEntry], gpus: Sequence[int] | int | None) -> dict[int, int | None]:
@@ -156,10 +186,6 @@ def assign_gpus(entries: list[HostEntry], gpus: Sequence[int] | int | None) -> d
         seen[e.host] = i + 1
         out[e.rank] = ids[i % len(ids)]
     return out
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
 
 
 def supervise(procs: dict[str, subprocess.Popen], relay: ErrorRelay | None = None,
@@ -210,7 +236,8 @@ def _signal_group(p: subprocess.Popen, sig: int) -> None:
 # -------------------------------------------------------------------------------- a worker
 def run_worker(entries: list[HostEntry], rank: int, solver_path: str, hosts: str, comm: str,
                stats_path: str | None, timeout: float, weights: str | None,
-               snapshot: str | None, gpu: Any, chunk_bytes: int) -> None:
+               snapshot: str | None, gpu: Any, chunk_bytes: int,
+               signal_effects: dict[str, str] | None = None) -> None:
     """Train as worker ``rank``: solver, own shard, barrier, plan, DWBP, BYE."""
     from engine import backend, glog
     from engine.context import RunContext
@@ -223,6 +250,7 @@ def run_worker(entries: list[HostEntry], rank: int, solver_path: str, hosts: str
     if gpu is not None:
         backend.use_gpu(int(gpu))
     solver = Solver(solver_path, context=RunContext(rank=rank, world_size=world), is_root=rank == 0)
+    solver.signal_effects.update(signal_effects or {})
     for w in weights.split(",") if isinstance(weights, str) else weights or ():
         if w:
             solver.load_weights(w)
@@ -281,12 +309,8 @@ def run_worker(entries: list[HostEntry], rank: int, solver_path: str, hosts: str
         if stats_path is not None and rank == 0:
             stats.write_json(stats_path)
         if shard.poll() is None:
-            shard.terminate()
-            try:
-                shard.wait(3)
-            except subprocess.TimeoutExpired:
-                shard.kill()
-                shard.wait()
+            shard.kill()  # it ignores the polite signals (see main); it holds nothing to save
+            shard.wait()
 
 
 # --------------------------------------------------------------------------------- a shard
@@ -314,7 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     sh.add_argument("--index", type=int, required=True)
     sh.add_argument("--timeout", type=float, default=30.0)
     args = ap.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    # A shard lives and ends with its worker: Ctrl-C on a terminal, SLURM's SIGTERM to every
+    # process of a step, or a hang-up ask the worker to snapshot or stop, and it needs its
+    # shard for that; the shard also ends when its peers say BYE or go silent.
+    for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None:
+            signal.signal(sig, signal.SIG_IGN)
     try:
         return run_shard(args.index, args.hosts, args.timeout)
     except CommError as e:

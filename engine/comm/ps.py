@@ -107,6 +107,7 @@ class ShardServer:
         self._chunks: dict[tuple[int, int], Chunk] = {}
         self._next: dict[tuple[int, int], int] = {}
         self._pending: dict[tuple[int, int, int], tuple[float, dict[int, np.ndarray]]] = {}
+        self._requests: dict[tuple[int, int, int], int] = {}  # signal bits of the pushes
         self._lock = threading.Lock()
 
     def _check(self, msg: Message) -> str | None:
@@ -139,14 +140,17 @@ class ShardServer:
                             "from worker %d", self.index, h.param, h.chunk, h.round, h.sender)
                 return
             got[h.sender] = msg.arrays[0]
+            self._requests[key] = self._requests.get(key, 0) | h.request
             if len(got) < self.world:
                 return
             del self._pending[key]
+            request = self._requests.pop(key)
             self._next[(h.param, h.chunk)] = h.round + 1
         total = got[0].copy()
         for r in range(1, self.world):  # rank order: the sum is the same whatever came first
             total += got[r]
-        out = header(pb.SUM, round=h.round, layer=h.layer, param=h.param, chunk=h.chunk)
+        out = header(pb.SUM, round=h.round, layer=h.layer, param=h.param, chunk=h.chunk,
+                     request=request)
         self.ep.broadcast(self.workers, out, [total])
         self.ep.stats.note_round(h.layer, h.round)
 

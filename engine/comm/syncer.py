@@ -28,6 +28,10 @@ from .stats import CommStats, now
 from .transport import SHARD, WORKER, Endpoint, Message, header, message_key
 
 
+#: what a signal asks for, as bits on the wire (Header.request)
+REQUEST_BITS = {"snapshot": 1, "stop": 2}
+
+
 @dataclass
 class ParamSlot:
     index: int       # learnable-parameter index, the id on the wire
@@ -114,6 +118,11 @@ class Syncer:
                 k, m, n = slot.factor_shape
                 dtype = np.dtype(slot.params[0].blob.diff.dtype).str
                 self._factor_shapes[i] = ((k, n), (k, m), dtype)
+        #: signal bits (SNAPSHOT | STOP) for the messages of the next round this worker sends
+        self._request_out = 0
+        #: round -> OR of the signal bits in that round's messages, identical on every worker
+        self._round_requests: dict[int, int] = {}
+        self._requests_taken = 0  # rounds below this one have been handed to the solver
         self._released = {i: 0 for i in layers}
         self._applied = {i: 0 for i in layers}
         self._cond = threading.Condition()
@@ -149,7 +158,10 @@ class Syncer:
         with self._cond:
             rnd = self._released[layer]
             self._released[layer] += 1
-        self._send_q.put((layer, rnd, t, factors))
+            request = self._request_out
+            if layer == self._last_layer:  # sent with (at least) this round's last layer
+                self._request_out &= ~request  # not = 0: a signal may have come meanwhile
+        self._send_q.put((layer, rnd, t, factors, request))
 
     def wait(self, layer: int) -> None:
         """Block until every released round of ``layer`` is applied (call before its forward)."""
@@ -168,6 +180,28 @@ class Syncer:
     def wait_all(self) -> None:
         for layer in self.layers:
             self.wait(layer)
+
+    def request(self, action: str) -> None:
+        """A signal asked this worker for ``action`` ('snapshot' or 'stop'): tell every worker
+        through the next round's messages. Called from a signal handler, which runs on the
+        training thread: no lock (that thread may hold it), and only that thread touches
+        ``_request_out``."""
+        self._request_out |= REQUEST_BITS[action]
+
+    def take_request(self) -> str | None:
+        """The action every worker agreed on, or None. Called by the solver at an iteration
+        boundary, after it released round R-1: rounds before R-1 are complete on every worker
+        (each of their layers was waited for in the last forward), so every worker gets the same
+        answer at the same iteration."""
+        with self._cond:
+            complete = min(self._released.values(), default=0) - 1
+            bits = 0
+            for rnd in range(self._requests_taken, complete):
+                bits |= self._round_requests.pop(rnd, 0)
+            self._requests_taken = max(self._requests_taken, complete)
+        if bits & REQUEST_BITS["stop"]:
+            return "stop"
+        return "snapshot" if bits & REQUEST_BITS["snapshot"] else None
 
     def close(self) -> None:
         """Finish outstanding rounds, check the replicas agree, say BYE, release the sockets."""
@@ -253,16 +287,18 @@ class Syncer:
             job = self._send_q.get()
             if job is None or ep.error is not None:
                 return
-            layer, rnd, _, factors = job
+            layer, rnd, _, factors, request = job
             if factors is not None:
                 peers = [(WORKER, r) for r in range(self.world) if r != self.rank]
-                ep.broadcast(peers, header(pb.FACTORS, round=rnd, layer=layer), factors)
+                ep.broadcast(peers, header(pb.FACTORS, round=rnd, layer=layer, request=request),
+                             factors)
             else:
                 for p in self.layers[layer].params:
                     flat = backend.to_numpy(p.blob.diff).reshape(-1)
                     for c in self._chunks[p.index]:
                         ep.send((SHARD, c.shard), header(pb.PUSH, round=rnd, layer=layer,
-                                                         param=p.index, chunk=c.chunk),
+                                                         param=p.index, chunk=c.chunk,
+                                                         request=request),
                                 [flat[c.offset:c.offset + c.count]])
             self._reduce_q.put(job)
 
@@ -271,36 +307,42 @@ class Syncer:
             job = self._reduce_q.get()
             if job is None or self.ep.error is not None:
                 return
-            layer, rnd, released, factors = job
+            layer, rnd, released, factors, request = job
             slot = self.layers[layer]
             if factors is not None:
-                self._reduce_sfb(slot, rnd, factors)
+                request |= self._reduce_sfb(slot, rnd, factors)
             else:
-                self._reduce_ps(slot, rnd)
+                request = self._reduce_ps(slot, rnd)
             self.update_layer(layer)
             with self._cond:
+                if request:
+                    self._round_requests[rnd] = self._round_requests.get(rnd, 0) | request
                 self._applied[layer] += 1
                 self._cond.notify_all()
             self.stats.add_round(layer, rnd, released, now())
             if layer == self._last_layer and self.on_round_done is not None:
                 self.on_round_done(rnd)
 
-    def _reduce_ps(self, slot: LayerSlot, rnd: int) -> None:
+    def _reduce_ps(self, slot: LayerSlot, rnd: int) -> int:
+        """Write the mean gradient from the shards' sums; returns their signal bits."""
         keys = [message_key(pb.SUM, (SHARD, c.shard), rnd, slot.layer, p.index, c.chunk)
                 for p in slot.params for c in self._chunks[p.index]]
-        msgs = iter(self.ep.wait_for(keys, f"the sums of layer {slot.name} round {rnd}"))
+        sums = self.ep.wait_for(keys, f"the sums of layer {slot.name} round {rnd}")
+        msgs = iter(sums)
         for p in slot.params:
             total = np.empty(p.blob.diff.size, dtype=p.blob.diff.dtype)
             for c in self._chunks[p.index]:
                 total[c.offset:c.offset + c.count] = next(msgs).arrays[0]
             total /= self.world
             _write(p.blob, total)
+        return _request_bits(sums)
 
-    def _reduce_sfb(self, slot: LayerSlot, rnd: int, own: list[np.ndarray]) -> None:
+    def _reduce_sfb(self, slot: LayerSlot, rnd: int, own: list[np.ndarray]) -> int:
+        """Rebuild the mean gradient from every worker's factors; returns the peers' bits."""
         others = [r for r in range(self.world) if r != self.rank]
         keys = [message_key(pb.FACTORS, (WORKER, r), rnd, slot.layer) for r in others]
-        got = {r: m.arrays for r, m in zip(others, self.ep.wait_for(
-            keys, f"the sufficient factors of layer {slot.name} round {rnd}"))}
+        msgs = self.ep.wait_for(keys, f"the sufficient factors of layer {slot.name} round {rnd}")
+        got = {r: m.arrays for r, m in zip(others, msgs)}
         got[self.rank] = own
         # Rank order: every replica forms the very same matrices, so results are bit-identical.
         u = np.concatenate([got[r][0] for r in range(self.world)])
@@ -317,6 +359,14 @@ class Syncer:
                                 "sufficient factors")
             g /= self.world
             _write(p.blob, g)
+        return _request_bits(msgs)
+
+
+def _request_bits(msgs: Sequence[Message]) -> int:
+    bits = 0
+    for m in msgs:
+        bits |= m.header.request
+    return bits
 
 
 def _write(blob: Any, grad: np.ndarray) -> None:
