@@ -168,6 +168,8 @@ class Solver:
         self._losses: list[float] = []
         self._sync: GradientSync | None = None
         self._requests: list[str] = []
+        #: the newest snapshot of this run (written, or resumed from); None before any
+        self.last_snapshot: Path | None = None
         #: what each signal asks for: 'stop' (snapshot, then stop), 'snapshot' or 'none'.
         #: SIGTERM is what SLURM and Kubernetes send before they kill.
         self.signal_effects = dict(SIGNAL_EFFECTS)
@@ -552,15 +554,19 @@ class Solver:
         """Write weights then solver state, each atomically (root only; others return None)."""
         from .caffe_io import save_net, write_solverstate
 
+        model, state_path = self.snapshot_paths()
+        # every rank knows what rank 0 writes at this iteration (errors name it as the last
+        # good snapshot; a shared file system is assumed, as for the solver and the data)
         if not self.is_root:
+            self.last_snapshot = state_path
             return None
         self._wait_all()
-        model, state_path = self.snapshot_paths()
         h5 = model.suffix == ".h5"
         glog.info(f"Snapshotting to {'HDF5' if h5 else 'binary proto'} file {model}")
         save_net(self.net, model, self.param.snapshot_diff)
         glog.info(f"Snapshotting solver state to {'HDF5' if h5 else 'binary proto'} file {state_path}")
         write_solverstate(state_path, self.solver_state(str(model)))
+        self.last_snapshot = state_path
         return model, state_path
 
     def solver_state(self, learned_net: str = "") -> Any:
@@ -605,6 +611,7 @@ class Solver:
         self.iter = state.iter
         self.current_step = state.current_step
         self._seek_data(list(state.data_position))
+        self.last_snapshot = path
 
     def _seek_data(self, positions: list[int]) -> None:
         layers = self.net.data_layers

@@ -79,6 +79,8 @@ def cluster(digits_db, tmp_path):  # noqa: F811
     solver = write_run(tmp_path, digits_db, 16, "long", iters=100000, display=1)
     text = solver.read_text().replace("snapshot_after_train: true", "snapshot: 3")
     solver.write_text(text)
+    # another run's newer snapshot beside ours, with the same prefix: never this run's "last good"
+    (tmp_path / "long_iter_99999.solverstate").write_bytes(b"")
     hosts, base = write_hosts(tmp_path, 2)
     logs = [tmp_path / f"rank{r}.log" for r in range(2)]
     workers = [start(["--solver", str(solver), "--hosts", str(hosts), "--rank", str(r),
@@ -105,7 +107,10 @@ def test_killed_worker_stops_everybody_with_a_clear_error(cluster):
     line = [ln for ln in err.splitlines() if ln.startswith("poseidon: error:")]
     assert len(line) == 1, err[-2000:]
     assert f"worker 1 (127.0.0.1:{cluster['base'] + 2})" in line[0]
-    assert "last good snapshot: " in line[0] and "long_iter_" in line[0]
+    named = Path(line[0].split("last good snapshot: ")[1].split(";")[0])
+    ours = max((int(p.name.split("_iter_")[1].split(".")[0]), p)
+               for p in cluster["dir"].glob("long_iter_*.solverstate") if p.stat().st_size)[1]
+    assert named == ours, line[0]
 
 
 def test_killed_shard_stops_everybody_with_a_clear_error(cluster):
@@ -121,12 +126,13 @@ def test_killed_shard_stops_everybody_with_a_clear_error(cluster):
 
 def test_launcher_stops_all_when_a_worker_dies(digits_db, tmp_path):  # noqa: F811
     solver = write_run(tmp_path, digits_db, 16, "long", iters=100000, display=1)
+    solver.write_text(solver.read_text() + "snapshot: 2\n")
     hosts, base = write_hosts(tmp_path, 2)
     log = tmp_path / "launcher.log"
     launcher = start(["--solver", str(solver), "--hosts", str(hosts), "--timeout", f"{TIMEOUT:g}"], log)
     pids = [launcher.pid]
     try:
-        wait_for_line(log, r"Iteration 3 ", [launcher])
+        wait_for_line(log, r"Iteration 5 ", [launcher])
         workers = children(launcher.pid)
         assert len(workers) == 2
         pids += workers + [c for w in workers for c in children(w)]
@@ -137,7 +143,11 @@ def test_launcher_stops_all_when_a_worker_dies(digits_db, tmp_path):  # noqa: F8
         assert launcher.returncode != 0
         wait_gone([launcher], pids[1:], DEADLINE)
         err = log.read_text()
-        assert f"poseidon: error: worker 1 (127.0.0.1:{base + 2}) was killed by signal 9" in err
+        [line] = [ln for ln in err.splitlines() if ln.startswith("poseidon: error:")]
+        assert line.startswith(f"poseidon: error: worker 1 (127.0.0.1:{base + 2}) was killed by "
+                               "signal 9; stopped the other 1 workers; last good snapshot: ")
+        named = Path(line.rsplit("last good snapshot: ", 1)[1])
+        assert named.parent == tmp_path and named.name.startswith("long_iter_") and named.is_file()
     finally:
         kill_all(pids)
         launcher.wait()

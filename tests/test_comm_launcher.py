@@ -1,4 +1,4 @@
-"""The launcher's pieces (ranks, commands, supervision, snapshots) and the Net adapter (bind)."""
+"""The launcher's pieces (ranks, commands, supervision) and the Net adapter (bind)."""
 from __future__ import annotations
 
 import subprocess
@@ -10,8 +10,7 @@ import pytest
 from engine.comm.bind import describe_net, ps_params
 from engine.comm.errors import CommError
 from engine.comm.hosts import parse_hosts_text
-from engine.comm.launcher import (last_snapshot, rank_from_env, run_from_cli, ssh_command,
-                                  supervise, worker_command)
+from engine.comm.launcher import rank_from_env, run_from_cli, ssh_command, supervise, worker_command
 from engine.comm.planner import plan_layers
 
 
@@ -36,19 +35,12 @@ def test_worker_and_ssh_commands():
     assert ssh[5] == "10.1.2.3" and ssh[6].endswith("exec python -m x --solver 'my solver.prototxt'")
 
 
-def test_last_snapshot_picks_the_newest(tmp_path):
-    assert last_snapshot(tmp_path / "net") == "none"
-    for it in (5, 40, 100):
-        (tmp_path / f"net_iter_{it}.solverstate").write_bytes(b"")
-    (tmp_path / "other_iter_900.solverstate").write_bytes(b"")
-    assert last_snapshot(tmp_path / "net") == str(tmp_path / "net_iter_100.solverstate")
-
-
 def test_supervise_names_the_failing_process_and_stops_the_rest():
     ok = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     bad = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"], start_new_session=True)
     try:
-        with pytest.raises(CommError, match=r"worker 1 \(h:1\) exited with code 3; stopped the other 1"):
+        with pytest.raises(CommError, match=r"worker 1 \(h:1\) exited with code 3; stopped the other 1 "
+                                            r"workers; last good snapshot: none"):
             supervise({"worker 0 (h:0)": ok, "worker 1 (h:1)": bad})
         assert ok.wait(timeout=10) != 0
     finally:

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shlex
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import CommError
@@ -77,15 +75,6 @@ def ssh_command(entry: HostEntry, cmd: Sequence[str]) -> list[str]:
 def shard_command(index: int, hosts: str, timeout: float) -> list[str]:
     return [sys.executable, "-m", "engine.comm.launcher", "shard", "--hosts", hosts,
             "--index", str(index), "--timeout", f"{timeout:g}"]
-
-
-def last_snapshot(prefix: Path | None) -> str:
-    """The newest ``<prefix>_iter_N.solverstate[.h5]``, or 'none' (named in fatal errors)."""
-    if prefix is None or not prefix.parent.is_dir():
-        return "none"
-    pat = re.compile(re.escape(prefix.name) + r"_iter_(\d+)\.solverstate(\.h5)?$")
-    found = [(int(m.group(1)), p) for p in prefix.parent.iterdir() if (m := pat.match(p.name))]
-    return str(max(found)[1]) if found else "none"
 
 
 # ------------------------------------------------------------------------------- entry point
@@ -163,7 +152,7 @@ def launch_all(entries: list[HostEntry], solver: str, hosts: str, comm: str, lau
         if not procs:
             raise CommError(f"{hosts}: no entry is this machine; run `poseidon train ... --rank N` "
                             "on each host, or use --launch ssh")
-        supervise(procs, relay)
+        supervise(procs, relay, snapshot)
     except KeyboardInterrupt:
         stop_all(procs)
         raise CommError(f"interrupted twice: stopped all {len(procs)} worker processes at once, "
@@ -189,7 +178,7 @@ def assign_gpus(entries: list[HostEntry], gpus: Sequence[int] | int | None) -> d
 
 
 def supervise(procs: dict[str, subprocess.Popen], relay: ErrorRelay | None = None,
-              poll_s: float = 0.1) -> None:
+              resumed_from: str | None = None, poll_s: float = 0.1) -> None:
     """Wait for every process; the first that fails stops the others. The error is the first
     one a process reported (the real cause), else the failing process names itself."""
     running = dict(procs)
@@ -200,26 +189,23 @@ def supervise(procs: dict[str, subprocess.Popen], relay: ErrorRelay | None = Non
                 continue
             del running[name]
             if rc != 0:
-                stop_all(running)
+                # what was reported up to now is the cause; what the others say once stopped
+                # is a consequence
                 reported = relay.first_error(p) if relay is not None else None
-                if reported is not None:
-                    raise CommError(reported)
-                how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
-                raise CommError(f"{name} {how}; stopped the other {len(running)} workers")
+                if reported is None:
+                    how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+                    last = (relay.last_snapshot if relay is not None else None) or resumed_from
+                    reported = (f"{name} {how}; stopped the other {len(running)} workers; "
+                                f"last good snapshot: {last or 'none'}")
+                stop_all(running)
+                raise CommError(reported)
         time.sleep(poll_s)
 
 
-def stop_all(procs: dict[str, subprocess.Popen], grace_s: float = 3.0) -> None:
-    """SIGTERM each process group (a worker and its shard), SIGKILL what is left after grace_s."""
-    alive = [p for p in procs.values() if p.poll() is None]
-    for p in procs.values():
-        _signal_group(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in alive:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
+def stop_all(procs: dict[str, subprocess.Popen]) -> None:
+    """SIGKILL each process group (a worker and its shard). Not SIGTERM: a worker takes that
+    as a request to snapshot and stop, which a run that lost a peer cannot do. Snapshots are
+    written atomically, so nothing is left half-written."""
     for p in procs.values():
         _signal_group(p, signal.SIGKILL)
         if p.poll() is None:
@@ -254,10 +240,6 @@ def run_worker(entries: list[HostEntry], rank: int, solver_path: str, hosts: str
     for w in weights.split(",") if isinstance(weights, str) else weights or ():
         if w:
             solver.load_weights(w)
-    try:
-        prefix: Path | None = solver.snapshot_prefix()
-    except Exception:  # no prefix: nothing was ever snapshotted
-        prefix = None
     slots, infos = describe_net(solver.net)
     try:
         plans = plan_layers(infos, world, comm=comm, allow_sfb=solver.param.iter_size == 1)
@@ -286,7 +268,7 @@ def run_worker(entries: list[HostEntry], rank: int, solver_path: str, hosts: str
     relay.watch(shard)
     try:
         ep = open_worker(rank, entries, timeout=timeout, stats=stats,
-                         exit_grace=EXIT_GRACE_S, snapshot_hint=lambda: last_snapshot(prefix))
+                         exit_grace=EXIT_GRACE_S, snapshot_hint=lambda: str(solver.last_snapshot or "none"))
         if shard_errors:
             ep.fatal(shard_errors[0])
         display = solver.param.display

@@ -9,12 +9,15 @@ shard that cannot bind its port stops the run at once instead of after the whole
 """
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
 from typing import Callable
 
 PREFIX = "poseidon: error: "
+#: rank 0's log line for each snapshot it writes (engine/solver.py)
+SNAPSHOT_LINE = re.compile(r"Snapshotting solver state to .* file (\S+)\s*$")
 
 
 class ErrorRelay:
@@ -25,6 +28,8 @@ class ErrorRelay:
         self._errors: list[str] = []
         self._readers: dict[int, threading.Thread] = {}
         self.on_error = on_error
+        #: the newest snapshot a child said it wrote (a hint for a run that fails later)
+        self.last_snapshot: str | None = None
 
     def watch(self, proc: subprocess.Popen) -> None:
         t = threading.Thread(target=self._read, args=(proc,), name=f"relay-{proc.pid}",
@@ -52,6 +57,8 @@ class ErrorRelay:
                 if self.on_error is not None:
                     self.on_error(reason)
                 continue
+            if (m := SNAPSHOT_LINE.search(line)) is not None:
+                self.last_snapshot = m.group(1)
             sys.stderr.write(line)
             sys.stderr.flush()
         proc.stderr.close()
