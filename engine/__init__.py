@@ -5,6 +5,8 @@ that importing a small part of the engine does not build the layer registry.
 """
 from typing import Any
 
+from . import glog as _glog  # noqa: F401  (every engine logger writes glog lines from the start)
+
 
 def __getattr__(name: str) -> Any:
     if name == "Net":

@@ -2,21 +2,69 @@
 
 Caffe's tools (tools/extra/parse_log.py, plot_training_log.py) read training logs by this
 prefix and by the exact wording of the solver's lines, so Poseidon writes the same lines.
-Everything goes to one stream (stderr by default, as glog does with logtostderr); while a
-rich progress bar is live, lines are routed through its console so the bar stays intact.
+Every module logs through stdlib ``logging`` (``logging.getLogger(__name__)``, or this module's
+``info``/``warning``/``error``), and one handler on the ``engine`` and ``poseidon`` loggers
+formats each record with ``GlogFormatter``. Everything goes to one stream (stderr by default,
+as glog does with logtostderr); while a rich progress bar is live, lines are routed through
+its console so the bar stays intact.
 """
 from __future__ import annotations
 
 import datetime as _dt
-import os
+import logging
 import sys
 import threading
 from typing import Any, Callable, TextIO
+
+#: the loggers whose records become glog lines (modules log under these names)
+ROOTS = ("engine", "poseidon")
+_SEVERITY = {logging.DEBUG: "I", logging.INFO: "I", logging.WARNING: "W", logging.ERROR: "E",
+             logging.CRITICAL: "F"}
 
 _lock = threading.Lock()
 _stream: TextIO | None = None          # None = the current sys.stderr
 _printer: Callable[[str], None] | None = None  # set while a progress bar owns the terminal
 _enabled = True
+_log = logging.getLogger("engine.glog")
+
+
+class GlogFormatter(logging.Formatter):
+    """glog's classic prefix, ``Immdd hh:mm:ss.uuuuuu tid file:line] ``, then the message. A
+    multi-line message (a printed proto) keeps glog's shape: prefix on the first line only."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        t = _dt.datetime.fromtimestamp(record.created)
+        severity = _SEVERITY.get(record.levelno, "I")
+        # formatted on the emitting thread (handlers run synchronously): its native id is glog's
+        return (f"{severity}{t:%m%d %H:%M:%S}.{t.microsecond:06d} {threading.get_native_id()} "
+                f"{record.filename}:{record.lineno}] {record.getMessage()}")
+
+
+class _GlogHandler(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        if not _enabled and record.levelno < logging.WARNING:
+            return
+        line = self.format(record)
+        with _lock:
+            if _printer is not None:
+                _printer(line)
+            else:
+                stream = _stream or sys.stderr
+                stream.write(line + "\n")
+                stream.flush()
+
+
+def _install() -> None:
+    handler = _GlogHandler()
+    handler.setFormatter(GlogFormatter())
+    for name in ROOTS:
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False  # one line per record, whatever the application configures
+
+
+_install()
 
 
 def set_stream(stream: TextIO | None) -> None:
@@ -26,7 +74,8 @@ def set_stream(stream: TextIO | None) -> None:
 
 
 def set_enabled(enabled: bool) -> None:
-    """Non-root ranks of a distributed run stay quiet (only rank 0 logs, as in Caffe)."""
+    """Non-root ranks of a distributed run stay quiet (only rank 0 logs, as in Caffe), but
+    for their warnings and errors."""
     global _enabled
     _enabled = enabled
 
@@ -37,40 +86,16 @@ def set_printer(printer: Callable[[str], None] | None) -> None:
     _printer = printer
 
 
-def prefix(severity: str = "I", depth: int = 1) -> str:
-    """glog's classic prefix for the caller ``depth`` frames up: ``Immdd hh:mm:ss.uuuuuu tid file:line] ``."""
-    frame = sys._getframe(depth + 1)
-    now = _dt.datetime.now()
-    where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
-    return (f"{severity}{now:%m%d %H:%M:%S}.{now.microsecond:06d} "
-            f"{threading.get_native_id()} {where}] ")
-
-
-def _emit(severity: str, message: str) -> None:
-    if not _enabled:
-        return
-    head = prefix(severity, depth=2)
-    # A multi-line message (a printed proto) keeps glog's shape: prefix on the first line only.
-    line = head + message
-    with _lock:
-        if _printer is not None:
-            _printer(line)
-        else:
-            stream = _stream or sys.stderr
-            stream.write(line + "\n")
-            stream.flush()
-
-
 def info(message: str) -> None:
-    _emit("I", message)
+    _log.info(message, stacklevel=2)
 
 
 def warning(message: str) -> None:
-    _emit("W", message)
+    _log.warning(message, stacklevel=2)
 
 
 def error(message: str) -> None:
-    _emit("E", message)
+    _log.error(message, stacklevel=2)
 
 
 def fmt(value: Any) -> str:
