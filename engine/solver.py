@@ -658,7 +658,8 @@ class Solver:
                 signal.signal(sig, h)
         return restore
 
-    def _images_per_iter(self) -> int:
+    def images_per_iter(self) -> int:
+        """Images one process trains on per iteration (batch x iter_size)."""
         layers = self.net.data_layers
         per_pass = sum(getattr(l, "step", 0) for l in layers[:1])
         return per_pass * self.param.iter_size
@@ -687,7 +688,7 @@ class Solver:
             return
         t0, it0 = self._progress_t0
         elapsed = time.perf_counter() - t0
-        ips = (self.iter - it0) * self._images_per_iter() / elapsed if elapsed > 0 else 0.0
+        ips = (self.iter - it0) * self.images_per_iter() / elapsed if elapsed > 0 else 0.0
         self._progress.update(self._progress_task, completed=self.iter,
                               loss=f"{self.smoothed_loss:.4g}", lr=f"{self.rate:.3g}",
                               ips=f"{ips:.0f}")

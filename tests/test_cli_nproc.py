@@ -24,6 +24,8 @@ def test_two_local_workers_equal_one_with_twice_the_batch(digits_db, tmp_path): 
     assert done.returncode == 0, done.stderr[-2000:]
     s = json.loads(stats.read_text())
     assert s["world_size"] == 2 and s["replicas_identical"] is True
+    assert ("The losses and outputs below are rank 0's, over its 16 of the 32 images of each "
+            "iteration") in done.stderr
     got = weights(tmp_path / "n2" / f"n2_iter_{ITERS}.caffemodel")
     want = weights(tmp_path / "ref" / f"ref_iter_{ITERS}.caffemodel")
     assert max(relative_distance(got, want).values()) <= BOUND
