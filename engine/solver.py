@@ -659,7 +659,7 @@ class Solver:
         return restore
 
     def images_per_iter(self) -> int:
-        """Images one process trains on per iteration (batch x iter_size)."""
+        """Images per iteration over all workers (the first data layer's stride x iter_size)."""
         layers = self.net.data_layers
         per_pass = sum(getattr(l, "step", 0) for l in layers[:1])
         return per_pass * self.param.iter_size

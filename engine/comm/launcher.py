@@ -250,9 +250,9 @@ def run_worker(entries: list[HostEntry], rank: int, solver_path: str, hosts: str
     layout = make_layout(ps_params(slots, schemes), world, chunk_bytes)
     if rank == 0:
         glog.info(plan_table(plans, world))
-        per_rank = solver.images_per_iter()
-        glog.info(f"The losses and outputs below are rank 0's, over its {per_rank} of the "
-                  f"{per_rank * world} images of each iteration")
+        total = solver.images_per_iter()  # the data layers stride over every rank's share
+        glog.info(f"The losses and outputs below are rank 0's, over its {total // world} of the "
+                  f"{total} images of each iteration")
     stats = CommStats()
     stats.extra["plan"] = [{"layer": p.info.name, "shapes": p.info.shapes, "scheme": p.scheme,
                             "bytes_per_node": p.bytes_per_node, "ps_bytes": p.ps_bytes,
