@@ -22,7 +22,7 @@ class Blob:
         xp = xp if xp is not None else backend.xp_default()
         self.name = name
         self.data = xp.zeros(tuple(int(s) for s in shape), dtype=dtype)
-        self.diff = xp.zeros_like(self.data)
+        self.diff = xp.zeros(self.data.shape, dtype=dtype)  # zeros_like writes every page; zeros need not
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -19,6 +19,7 @@ COMMANDS = {
     "convert": "poseidon_cli.convert_cmd:convert",
     "data": "poseidon_cli.data_cmd:data",
     "device-query": "poseidon_cli.device_cmd:device_query",
+    "simulate": "poseidon_cli.simulate_cmd:simulate",
 }
 
 

@@ -78,6 +78,19 @@ def parse_bandwidth(text: str) -> float:
     return bits
 
 
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[-+]?\d+)?)\s*(s|ms|us|µs|ns)?\s*$")
+_DURATION_SCALE = {"s": 1.0, "": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_duration(text: str) -> float:
+    """'50us', '0.2ms', '1e-4' (seconds) -> seconds."""
+    m = _DURATION.match(str(text))
+    if not m:
+        raise LinkError(f"latency {text!r}: expected a number with an optional unit, e.g. 50us, "
+                        "0.2ms")
+    return float(m.group(1)) * _DURATION_SCALE[m.group(2) or ""]
+
+
 def load_link(path: str | Path) -> Link:
     p = Path(path)
     try:

@@ -1,0 +1,208 @@
+"""The DAG model of synchronous SGD (Shi et al., arXiv:1805.03812), as Poseidon runs it.
+
+An event simulation of one worker's iterations, with the resources the real communicator has
+(engine/comm/syncer.py, ps.py):
+
+- the training thread runs forward layer by layer; before a layer with parameters it waits for
+  that layer's update of the previous iteration (the per-layer wait), then backward top-down;
+  the moment a layer's backward ends its gradient is released (wait-free backpropagation);
+- the node's link moves released layers in release order, one after the other (one sender
+  thread, one socket per peer). A link is full duplex and each direction is shaped on its own,
+  so a layer occupies it for ``alpha`` per message round plus ``beta`` times the larger of the
+  bytes the node sends and receives for it;
+  * PS: the real chunk layout (``ps.make_layout``) says which node's shard holds each chunk.
+    A node sends its pushes to the remote shards and its own shard's sums to the P-1 remote
+    workers, and receives the mirror image; the busiest node sets the pace (all wait for it).
+    A sum can only leave once the last push of its chunk arrived and the shard added the P
+    pushes, so one chunk's push and addition are not overlapped;
+  * SFB: a node sends its factors u (K x N) and v (K x M) to P-1 peers and receives theirs;
+- one reducer thread, also in release order, rebuilds SFB gradients (one GEMM of P·K·M·N
+  multiply-adds), writes the mean gradient and runs the solver update of the layer; then that
+  layer's next forward may start.
+
+One worker (P = 1) runs Caffe's plain loop: forward, backward, then every update. The
+iteration time is the steady-state period (the last of several simulated iterations), so the
+overlap of one iteration's communication with the next one's forward is counted.
+The recurrence of DESIGN.md is the special case of one FIFO link and no reducer cost.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+from engine.comm.planner import LayerInfo, plan_layers
+from engine.comm.ps import DEFAULT_CHUNK_BYTES, PSParam, make_layout
+
+from .link import Link
+from .netinfo import NetInfo
+from .trace import Trace
+
+SCHEMES = ("ps", "sfb", "hybrid")
+ITERATIONS = 6  # simulated; the last period is the steady state
+
+
+@dataclass(frozen=True)
+class Device:
+    """Costs outside the trace: what the machine running a worker and its shard spends on
+    the solver update, on SFB's reconstruction and on the shard's sums."""
+    name: str = "default: a GPU worker (update 300 GB/s, GEMM 5 TFLOP/s), CPU shard (8 GB/s)"
+    #: the solver update streams about ``update_passes`` x 4 bytes per parameter
+    update_bytes_per_s: float = 300e9
+    update_passes: float = 5.0
+    #: SFB's reconstruction u^T v (2 flops per multiply-add)
+    gemm_flops_per_s: float = 5e12
+    #: a shard's adds of P pushes (a CPU process in Poseidon, also on GPU clusters)
+    add_bytes_per_s: float = 8e9
+
+
+@dataclass
+class LayerTiming:
+    name: str
+    scheme: str
+    bytes_sent: float  # by the busiest node, per iteration
+    bytes_received: float
+    comm_s: float      # time on the link
+    reduce_s: float    # reconstruction + update on the reducer
+
+
+@dataclass
+class Prediction:
+    scheme: str
+    workers: int
+    batch: int
+    iteration_s: float
+    compute_s: float
+    exposed_comm_s: float
+    images_per_s: float
+    speedup: float = 1.0
+    efficiency: float = 1.0
+    bytes_per_node: float = 0.0  # sent + received by the busiest node per iteration
+    layers: list[LayerTiming] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _chunk_bytes_by_layer(params: Sequence[LayerInfo], p: int, chunk_bytes: int
+                          ) -> dict[int, list[tuple[int, int]]]:
+    """layer -> [(bytes, shard)] of its PS chunks, from the communicator's own layout."""
+    ps_params, k = [], 0
+    for info in params:
+        for shape in info.shapes:
+            count = 1
+            for d in shape:
+                count *= d
+            ps_params.append(PSParam(k, info.layer, count, "<f4" if info.itemsize == 4 else "<f8"))
+            k += 1
+    out: dict[int, list[tuple[int, int]]] = {}
+    itemsize = {pp.index: (4 if pp.dtype == "<f4" else 8) for pp in ps_params}
+    for c in make_layout(ps_params, p, chunk_bytes):
+        out.setdefault(c.layer, []).append((c.count * itemsize[c.param], c.shard))
+    return out
+
+
+def _layer_costs(info: LayerInfo, scheme: str, p: int, link: Link, device: Device,
+                 chunks: list[tuple[int, int]]) -> LayerTiming:
+    """Link time and reducer time of one layer on the busiest node."""
+    params_bytes = info.params * info.itemsize
+    update = device.update_passes * params_bytes / device.update_bytes_per_s
+    if scheme == "sfb":
+        k, m, n = info.factors  # type: ignore[misc]
+        sent = recv = (p - 1) * k * (m + n) * info.itemsize
+        comm = link.alpha_s + link.beta_s_per_byte * max(sent, recv)
+        rebuild = 2.0 * p * k * m * n / device.gemm_flops_per_s
+        return LayerTiming(info.name, scheme, sent, recv, comm, rebuild + update)
+    sent = [0.0] * p
+    recv = [0.0] * p
+    adds = [0.0] * p
+    for nbytes, shard in chunks:
+        for node in range(p):
+            if node == shard:  # its shard takes P-1 remote pushes and sends P-1 sums
+                sent[node] += (p - 1) * nbytes
+                recv[node] += (p - 1) * nbytes
+                adds[node] += (p - 1) * nbytes
+            else:              # its worker pushes the chunk and gets the sum back
+                sent[node] += nbytes
+                recv[node] += nbytes
+    busiest = max(range(p), key=lambda n: (max(sent[n], recv[n]), adds[n]))
+    largest = max((b for b, _ in chunks), default=0)
+    # push then sum: two message rounds; the last chunk's push and sum do not overlap
+    comm = (2 * link.alpha_s + link.beta_s_per_byte * (max(sent[busiest], recv[busiest]) + largest)
+            + adds[busiest] / device.add_bytes_per_s / max(len(chunks), 1))
+    return LayerTiming(info.name, scheme, sent[busiest], recv[busiest], comm, update)
+
+
+def _times(info: NetInfo, trace: Trace) -> tuple[list[float], list[float]]:
+    """Per-layer forward and backward seconds in net order (layers the trace lacks, such as
+    the Split layers the engine inserts, cost nothing)."""
+    traced = trace.by_name()
+    fwd = [traced[l.name].forward_ms / 1e3 if l.name in traced else 0.0 for l in info.layers]
+    bwd = [traced[l.name].backward_ms / 1e3 if l.name in traced else 0.0 for l in info.layers]
+    return fwd, bwd
+
+
+def missing_layers(info: NetInfo, trace: Trace) -> list[str]:
+    """Layers with parameters or compute that the trace does not time (a wrong trace)."""
+    traced = trace.by_name()
+    return [l.name for l in info.layers if l.name not in traced and l.type != "Split"]
+
+
+def predict(info: NetInfo, trace: Trace, workers: int, scheme: str, link: Link,
+            device: Device | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Prediction:
+    """The steady-state iteration of ``workers`` workers synchronising by ``scheme``."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    device = device or Device()
+    fwd, bwd = _times(info, trace)
+    compute = sum(fwd) + sum(bwd)
+    batch = info.batch
+    if workers == 1:
+        update = sum(device.update_passes * i.params * i.itemsize / device.update_bytes_per_s
+                     for i in info.params)
+        it = compute + update
+        return Prediction(scheme, 1, batch, it, compute, 0.0, batch / it if it else 0.0)
+    plans = plan_layers(info.params, workers, comm=scheme)
+    chunks = _chunk_bytes_by_layer([pl.info for pl in plans if pl.scheme == "ps"], workers,
+                                   chunk_bytes)
+    costs = {pl.info.layer: _layer_costs(pl.info, pl.scheme, workers, link, device,
+                                         chunks.get(pl.info.layer, [])) for pl in plans}
+    ready = {layer: 0.0 for layer in costs}  # when each layer's update is applied
+    starts = []
+    t = 0.0
+    for _ in range(ITERATIONS):
+        for i, f in enumerate(fwd):
+            if i in ready:
+                t = max(t, ready[i])
+            if i == 0:
+                starts.append(t)
+            t += f
+        link_free = reducer_free = t
+        for i in range(len(bwd) - 1, -1, -1):
+            t += bwd[i]
+            if i in costs:  # released: on the link in release order, then the reducer
+                c = costs[i]
+                link_free = max(link_free, t) + c.comm_s
+                reducer_free = max(reducer_free, link_free) + c.reduce_s
+                ready[i] = reducer_free
+    period = starts[-1] - starts[-2]
+    bytes_per_node = sum(c.bytes_sent + c.bytes_received for c in costs.values())
+    return Prediction(scheme, workers, batch, period, compute, max(period - compute, 0.0),
+                      workers * batch / period, bytes_per_node=bytes_per_node,
+                      layers=list(costs.values()))
+
+
+def sweep(info: NetInfo, trace: Trace, workers: Sequence[int], schemes: Sequence[str],
+          link: Link, device: Device | None = None,
+          chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[Prediction]:
+    """Every (scheme, P), with speedup and efficiency against one worker (same batch each)."""
+    one = predict(info, trace, 1, schemes[0], link, device, chunk_bytes)
+    out = []
+    for scheme in schemes:
+        for p in workers:
+            pr = predict(info, trace, p, scheme, link, device, chunk_bytes)
+            pr.speedup = pr.images_per_s / one.images_per_s if one.images_per_s else 0.0
+            pr.efficiency = pr.speedup / p
+            out.append(pr)
+    return out

@@ -1,0 +1,192 @@
+"""What the performance model needs to know of a net, without training it.
+
+The training net is built by the real engine (``engine.net.Net``) with fillers switched off
+(``fillers.shapes_only``): its arrays are zeros the OS has not backed with memory, so
+VGG-19-22K's 229M parameters cost no RAM, and every shape (Split layers, in-place layers,
+InnerProduct's input width) is exactly what training would see. The layers that synchronise,
+and which of them can hand out sufficient factors, come from the communicator's own adapter
+(``engine.comm.bind.describe_net``), so the simulator prices the plan the planner really makes.
+
+Data layers need data to know their shapes; they are replaced by Input layers of the same
+tops: the batch from the layer (or the caller), the image shape from ``input_shape``, else from
+the layer's database when it exists, else from ``crop_size`` with as many channels as
+``mean_value`` entries (3 when none).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from engine.comm.planner import LayerInfo
+from engine.pb import caffe_pb2
+
+DATA_TYPES = {"Data": "data_param", "ImageData": "image_data_param",
+              "HDF5Data": "hdf5_data_param", "WindowData": "window_data_param",
+              "MemoryData": "memory_data_param"}
+
+
+class NetInfoError(ValueError):
+    """A net whose shapes cannot be known; the message names the file and the layer."""
+
+
+@dataclass(frozen=True)
+class LayerFacts:
+    """One layer of the training net, in forward order."""
+    index: int
+    name: str
+    type: str
+    #: bytes of its output blobs (a memory-bound layer's cost grows with them)
+    top_bytes: int
+    #: bytes of its input blobs
+    bottom_bytes: int
+    #: multiply-accumulates of one forward pass (convolutions and inner products; 0 otherwise)
+    macs: int
+
+
+@dataclass
+class NetInfo:
+    name: str
+    batch: int
+    layers: list[LayerFacts]
+    #: the layers with learnable parameters, as the planner sees them
+    params: list[LayerInfo]
+
+    @property
+    def total_params(self) -> int:
+        return sum(i.params for i in self.params)
+
+    def by_name(self) -> dict[str, LayerFacts]:
+        return {l.name: l for l in self.layers}
+
+
+def read_train_net(path: str | Path) -> caffe_pb2.NetParameter:
+    """A net prototxt, or the training net a solver prototxt names."""
+    from engine.caffe_io import FormatError, read_net_prototxt, read_solver_prototxt
+
+    p = Path(path)
+    if not p.is_file():
+        raise NetInfoError(f"net file {p} not found")
+    try:
+        return read_net_prototxt(p)
+    except FormatError as net_error:
+        try:
+            solver = read_solver_prototxt(p)
+        except FormatError:
+            raise NetInfoError(str(net_error)) from None
+    if solver.HasField("train_net_param") or solver.HasField("net_param"):
+        return solver.train_net_param if solver.HasField("train_net_param") else solver.net_param
+    name = solver.train_net or solver.net
+    if not name:
+        raise NetInfoError(f"{p}: the solver names no net")
+    for base in (p.parent, Path.cwd()):
+        if (base / name).is_file():
+            return read_net_prototxt(base / name)
+    raise NetInfoError(f"{p}: its net {name} is found neither beside it nor here")
+
+
+def _image_shape(layer: Any, where: Path | None, input_shape: Sequence[int] | None) -> list[int]:
+    if input_shape:
+        return list(input_shape)
+    tp = layer.transform_param
+    field = DATA_TYPES[layer.type]
+    sub = getattr(layer, field)
+    source = getattr(sub, "source", "")
+    if source and where is not None:
+        db = (where / source) if not Path(source).is_absolute() else Path(source)
+        if db.exists() and layer.type == "Data":
+            from engine.data.datum import datum_to_array, parse_datum
+            from engine.data.lmdb_source import open_db
+            src = open_db(db, caffe_pb2.DataParameter.DB.Name(sub.backend))
+            try:
+                _, value = src.get(0)
+            finally:
+                src.close()
+            c, h, w = datum_to_array(parse_datum(value)).shape
+            crop = tp.crop_size
+            return [c, crop, crop] if crop else [c, h, w]
+    if tp.crop_size:
+        return [len(tp.mean_value) or 3, tp.crop_size, tp.crop_size]
+    raise NetInfoError(f"layer '{layer.name}' ({layer.type}): its image shape is unknown "
+                       "(no crop_size and no database to read): give the input shape, "
+                       "e.g. --input-shape 3,224,224")
+
+
+def with_inputs(net: caffe_pb2.NetParameter, batch: int | None = None,
+                input_shape: Sequence[int] | None = None,
+                where: Path | None = None) -> tuple[caffe_pb2.NetParameter, int]:
+    """The TRAIN-phase net with each data layer replaced by an Input layer; (net, batch)."""
+    from engine.net import filter_net
+
+    state = caffe_pb2.NetState(phase=caffe_pb2.TRAIN)
+    out = filter_net(net, state)
+    found = None
+    for i, layer in enumerate(out.layer):
+        if layer.type not in DATA_TYPES:
+            continue
+        sub = getattr(layer, DATA_TYPES[layer.type])
+        b = batch or getattr(sub, "batch_size", 0)
+        if not b:
+            raise NetInfoError(f"layer '{layer.name}' ({layer.type}): no batch_size")
+        shapes = [[b, *_image_shape(layer, where, input_shape)], [b]][:len(layer.top)]
+        repl = caffe_pb2.LayerParameter(name=layer.name, type="Input", top=layer.top)
+        for s in shapes:
+            repl.input_param.shape.add().dim.extend(s)
+        out.layer[i].CopyFrom(repl)
+        found = found or b
+    if found is None:
+        for layer in out.layer:
+            if layer.type == "Input" and layer.input_param.shape:
+                found = layer.input_param.shape[0].dim[0]
+                if batch:  # the caller's batch replaces the net's
+                    for s in layer.input_param.shape:
+                        s.dim[0] = batch
+                    found = batch
+                break
+    if found is None:
+        raise NetInfoError(f"net '{net.name}' has no data or Input layer: its batch is unknown")
+    return out, int(found)
+
+
+def net_info(model: str | Path | caffe_pb2.NetParameter, batch: int | None = None,
+             input_shape: Sequence[int] | None = None) -> NetInfo:
+    """The facts of ``model``'s training net (a net or solver prototxt, or a NetParameter)."""
+    from engine import fillers
+    from engine.comm.bind import describe_net
+    from engine.net import Net, NetError
+    from engine.layers import LayerError
+
+    where = None
+    if isinstance(model, caffe_pb2.NetParameter):
+        param = model
+    else:
+        param = read_train_net(model)
+        where = Path(model).parent
+    param, b = with_inputs(param, batch, input_shape, where)
+    try:
+        with fillers.shapes_only():
+            net = Net(param, phase="TRAIN")
+    except (NetError, LayerError) as e:
+        raise NetInfoError(str(e)) from None
+    _, infos = describe_net(net)
+    layers = []
+    for i, (name, layer) in enumerate(zip(net.layer_names, net.layers)):
+        tops, bottoms = net.top_vecs[i], net.bottom_vecs[i]
+        layers.append(LayerFacts(i, name, layer.type,
+                                 sum(t.count * t.data.itemsize for t in tops),
+                                 sum(x.count * x.data.itemsize for x in bottoms),
+                                 _macs(layer, bottoms, tops)))
+    return NetInfo(net.name, b, layers, infos)
+
+
+def _macs(layer: Any, bottom: Sequence[Any], top: Sequence[Any]) -> int:
+    """Multiply-accumulates of one forward pass of a convolution or inner product."""
+    if not layer.blobs or layer.type not in ("Convolution", "Deconvolution", "InnerProduct"):
+        return 0
+    w = layer.blobs[0]
+    if layer.type == "Convolution":  # each output: in/group x kernel products
+        return int(top[0].count * (w.count // w.shape[0]))
+    if layer.type == "Deconvolution":  # each input: out/group x kernel products
+        return int(bottom[0].count * (w.count // w.shape[0]))
+    fan_in = w.shape[0] if layer.param.inner_product_param.transpose else w.shape[1]
+    return int(bottom[0].count // fan_in * w.count)  # K rows x (M x N)

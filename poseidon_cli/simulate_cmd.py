@@ -1,0 +1,165 @@
+"""`poseidon simulate`: how a net will scale, before renting the machines.
+
+Per-layer times (a trace, `poseidon time --json`, or an estimate from the net's FLOPs), the
+net's shapes, a link (bandwidth and latency, or the alpha and beta `poseidon bench comm`
+fitted), and the DAG model of engine/perf/dag.py give, per scheme and number of workers, the
+iteration time, the communication left exposed, images/s, speedup and efficiency.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Sequence
+
+import click
+
+from .main import fail, user_errors
+
+
+def parse_workers(text: str) -> list[int]:
+    """'1,2,4,8' or '1-16' (every count) or a mix: '1,2,4-8'."""
+    out: list[int] = []
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            a, b = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ValueError(f"--workers {text!r}: expected counts such as 1,2,4,8 or 1-16") from None
+        if a < 1 or b < a:
+            raise ValueError(f"--workers {text!r}: counts must be 1 or more, ranges low-high")
+        out.extend(range(a, b + 1))
+    return sorted(set(out))
+
+
+def parse_shape(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        dims = [int(d) for d in text.replace("x", ",").split(",")]
+    except ValueError:
+        raise ValueError(f"--input-shape {text!r}: expected C,H,W such as 3,224,224") from None
+    if any(d < 1 for d in dims):
+        raise ValueError(f"--input-shape {text!r}: dimensions must be positive")
+    return dims
+
+
+def plot_speedup(predictions: Sequence, path: str, title: str) -> None:
+    """Speedup against workers, one line per scheme, and linear scaling for reference."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError(f"--plot needs matplotlib: pip install 'poseidon[plot]' "
+                         f"(nothing else was affected; {path} was not written)") from None
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    workers = sorted({p.workers for p in predictions})
+    ax.plot(workers, workers, "k--", label="linear")
+    for scheme in dict.fromkeys(p.scheme for p in predictions):
+        rows = [p for p in predictions if p.scheme == scheme]
+        ax.plot([p.workers for p in rows], [p.speedup for p in rows], marker="o", label=scheme)
+    ax.set_xlabel("workers")
+    ax.set_ylabel("speedup (images/s over one worker)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+@click.command("simulate")
+@click.option("--model", required=True, type=click.Path(dir_okay=False),
+              help="Net (or solver) prototxt: layer shapes and parameter sizes.")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=None,
+              help="Per-layer times: a poseidon-layer-trace JSON or `poseidon time --json`.")
+@click.option("--estimate", is_flag=True,
+              help="No trace: estimate layer times from FLOPs on the paper's GPU (Titan X).")
+@click.option("--batch", type=int, default=None, help="Images per worker (default: the net's).")
+@click.option("--input-shape", default=None, help="C,H,W of a data layer whose shape is unknown.")
+@click.option("--workers", default="1,2,4,8,16", show_default=True,
+              help="Worker counts: 1,2,4,8 or 1-16.")
+@click.option("--bandwidth", default="10gbit", show_default=True,
+              help="Each node's link, each direction: 10gbit, 1gbit, 25GbE...")
+@click.option("--latency", default="50us", show_default=True, help="Per message: 50us, 0.2ms.")
+@click.option("--link", "link_path", type=click.Path(dir_okay=False), default=None,
+              help="alpha and beta fitted by `poseidon bench comm --link-out` (replaces "
+              "--bandwidth and --latency).")
+@click.option("--scheme", "schemes", default="ps,sfb,hybrid", show_default=True,
+              help="Schemes to compare.")
+@click.option("--chunk-bytes", type=int, default=4 << 20, show_default=True,
+              help="The PS chunk size the run will use.")
+@click.option("--json", "as_json", is_flag=True, help="Print the predictions as JSON.")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None,
+              help="Write speedup against workers as a PNG (needs matplotlib).")
+def simulate(model: str, trace_path: str | None, estimate: bool, batch: int | None,
+             input_shape: str | None, workers: str, bandwidth: str, latency: str,
+             link_path: str | None, schemes: str, chunk_bytes: int, as_json: bool,
+             plot: str | None) -> None:
+    """Predict iteration time, exposed communication and speedup per scheme and worker count."""
+    from engine.perf.dag import SCHEMES, missing_layers, sweep
+    from engine.perf.flops import TITAN_X, trace_from_flops
+    from engine.perf.link import Link, load_link, parse_bandwidth, parse_duration
+    from engine.perf.netinfo import net_info
+    from engine.perf.trace import load_trace
+
+    if (trace_path is None) == (not estimate):
+        fail("give --trace FILE or --estimate (not both)")
+    with user_errors():
+        counts = parse_workers(workers)
+        wanted = [s.strip() for s in schemes.split(",") if s.strip()]
+        for s in wanted:
+            if s not in SCHEMES:
+                raise ValueError(f"--scheme {s!r}: choose from {', '.join(SCHEMES)}")
+        link = (load_link(link_path) if link_path else
+                Link.from_bandwidth(parse_bandwidth(bandwidth), parse_duration(latency),
+                                    f"{bandwidth}, {latency} per message"))
+        info = net_info(model, batch, parse_shape(input_shape))
+        trace = trace_from_flops(info, TITAN_X) if estimate else load_trace(trace_path)
+        if trace.batch is not None and trace.batch != info.batch:
+            raise ValueError(f"{trace_path}: traced at batch {trace.batch}, but the net trains "
+                             f"with batch {info.batch} (give --batch {trace.batch}?)")
+        missing = missing_layers(info, trace)
+        if missing:
+            raise ValueError(f"{trace_path}: no times for layer(s) {', '.join(missing[:5])}"
+                             f"{' ...' if len(missing) > 5 else ''} of {model}: a trace of "
+                             "another net?")
+        predictions = sweep(info, trace, counts, wanted, link, chunk_bytes=chunk_bytes)
+        title = (f"{info.name}, batch {info.batch}/worker, {link.bits_per_s / 1e9:g} Gbit/s, "
+                 f"alpha {link.alpha_s * 1e6:g} us")
+        if plot:
+            plot_speedup(predictions, plot, title)
+    report = {"net": info.name, "batch": info.batch, "params": info.total_params,
+              "trace": {"source": trace.source, "device": trace.device},
+              "link": link.as_dict(), "predictions": [
+                  {k: v for k, v in p.as_dict().items() if k != "layers"} for p in predictions]}
+    if as_json:
+        click.echo(json.dumps(report, indent=1))
+        return
+    _print_table(predictions, title, trace.source)
+    if plot:
+        click.echo(f"wrote {plot}")
+
+
+def _print_table(predictions: Sequence, title: str, source: str) -> None:
+    cols = ("scheme", "workers", "iteration ms", "compute ms", "exposed comm ms", "images/s",
+            "speedup", "efficiency", "MB/node/iter")
+    rows = [(p.scheme, str(p.workers), f"{p.iteration_s * 1e3:.1f}", f"{p.compute_s * 1e3:.1f}",
+             f"{p.exposed_comm_s * 1e3:.1f}", f"{p.images_per_s:.1f}", f"{p.speedup:.2f}",
+             f"{p.efficiency:.0%}", f"{p.bytes_per_node / 1e6:.1f}") for p in predictions]
+    if sys.stdout.isatty():
+        from rich.console import Console
+        from rich.table import Table
+        table = Table(title=title, caption=f"layer times: {source}")
+        for c in cols:
+            table.add_column(c, justify="left" if c == "scheme" else "right")
+        for r in rows:
+            table.add_row(*r)
+        Console().print(table)
+        return
+    click.echo(title)
+    click.echo(f"layer times: {source}")
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    click.echo("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    for r in rows:
+        click.echo("  ".join(v.rjust(w) for v, w in zip(r, widths)))

@@ -1,0 +1,71 @@
+"""`poseidon simulate` on the command line: JSON, a measured trace, bad input, --plot."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from tests.test_cli_caffe_habits import run
+
+S4 = "models/vgg19_22k_s4/train_val.prototxt"
+
+
+def test_json_predictions_for_every_scheme_and_count():
+    done = run("simulate", "--model", S4, "--estimate", "--workers", "1,2,4-5", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    rows = {(p["scheme"], p["workers"]): p for p in report["predictions"]}
+    assert set(rows) == {(s, n) for s in ("ps", "sfb", "hybrid") for n in (1, 2, 4, 5)}
+    assert report["params"] == 14_322_532 and report["batch"] == 32
+    assert report["link"]["bandwidth_bits_per_s"] == pytest.approx(1e10)
+    assert rows[("hybrid", 4)]["speedup"] > rows[("ps", 4)]["speedup"]
+
+
+def test_a_poseidon_time_report_is_a_trace(tmp_path):
+    net = "models/digits_lenet/deploy.prototxt"  # an Input layer: no LMDB needed
+    timed = run("time", "--model", net, "--iterations", "2", "--json")
+    assert timed.returncode == 0, timed.stderr
+    (tmp_path / "t.json").write_text(timed.stdout)
+    done = run("simulate", "--model", net, "--trace", str(tmp_path / "t.json"), "--workers", "1,2",
+               "--bandwidth", "1gbit", "--latency", "0.1ms", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    compute = json.loads(timed.stdout)["forward_backward_ms"] / 1e3
+    one = next(p for p in report["predictions"] if p["workers"] == 1)
+    assert one["compute_s"] == pytest.approx(compute, rel=1e-9)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--trace", "missing.json"], "trace file missing.json not found"),
+    (["--estimate", "--workers", "0,2"], "--workers '0,2'"),
+    (["--estimate", "--bandwidth", "fast"], "bandwidth 'fast'"),
+    (["--estimate", "--scheme", "ring"], "--scheme 'ring'"),
+    ([], "give --trace FILE or --estimate"),
+])
+def test_bad_input_is_one_line(args, needle):
+    done = run("simulate", "--model", S4, *args)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("poseidon: error:") and needle in lines[0], lines
+
+
+def test_a_trace_of_another_net_is_named(tmp_path):
+    lenet = run("time", "--model", "models/digits_lenet/deploy.prototxt", "--iterations", "1",
+                "--json")
+    (tmp_path / "t.json").write_text(lenet.stdout)
+    done = run("simulate", "--model", S4, "--trace", str(tmp_path / "t.json"))
+    assert done.returncode == 1 and "a trace of another net?" in done.stderr
+
+
+def test_plot(tmp_path):
+    png = tmp_path / "speedup.png"
+    done = run("simulate", "--model", S4, "--estimate", "--workers", "1,2,4", "--plot", str(png))
+    if importlib.util.find_spec("matplotlib") is None:
+        assert done.returncode == 1 and not png.exists()
+        assert done.stderr.strip().splitlines() == [
+            f"poseidon: error: --plot needs matplotlib: pip install 'poseidon[plot]' (nothing "
+            f"else was affected; {png} was not written)"]
+    else:
+        assert done.returncode == 0, done.stderr
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
