@@ -99,9 +99,15 @@ def solver_gpu(solver: str) -> list[int] | None:
               "iteration: snapshot then stop, snapshot and go on, or nothing (Caffe's flag).")
 @click.option("--sighup-effect", type=click.Choice(SIGNAL_ACTIONS), default="snapshot",
               show_default=True, help="What SIGHUP does (Caffe's flag).")
+@click.option("--replay", default=None, type=click.Path(dir_okay=False),
+              help="Replace each layer's compute by waiting its time in this trace (a "
+              "poseidon-layer-trace or `poseidon time --json`); all else is real.")
+@click.option("--time-scale", type=float, default=1.0, show_default=True,
+              help="With --replay: multiply every traced time by this.")
 def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | None,
           hosts: str | None, nproc: int | None, rank: int | None, comm: str, launch: str, stats: str | None,
-          timeout: float, chunk_bytes: int, sigint_effect: str, sighup_effect: str) -> None:
+          timeout: float, chunk_bytes: int, sigint_effect: str, sighup_effect: str,
+          replay: str | None, time_scale: float) -> None:
     """Train a net from a Caffe solver, with Caffe's log lines and snapshots."""
     if weights and snapshot:
         fail("give --weights (fine-tune) or --snapshot (resume), not both")
@@ -125,7 +131,8 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
             run_from_cli(solver=solver, weights=weight_files, snapshot=snapshot,
                          gpu=gpus,
                          hosts=made or hosts, rank=rank, comm=comm, launch=launch, stats=stats,
-                         timeout=timeout, chunk_bytes=chunk_bytes, signal_effects=effects)
+                         timeout=timeout, chunk_bytes=chunk_bytes, signal_effects=effects,
+                         replay=replay, time_scale=time_scale)
         return
 
     from engine import backend, glog
@@ -140,7 +147,11 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
             glog.info(f"Use GPU with device ID {gpus[0]}")
         else:
             glog.info("Use CPU.")
-        s = Solver(solver)
+        if replay is not None:
+            from engine.perf.replay import make_solver
+            s = make_solver(solver, replay, time_scale)
+        else:
+            s = Solver(solver)
         s.signal_effects = effects
         try:
             for w in weight_files:

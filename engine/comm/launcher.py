@@ -47,7 +47,8 @@ def rank_from_env(environ: dict[str, str] | None = None) -> int | None:
 def worker_command(rank: int, solver: str, hosts: str, comm: str, timeout: float,
                    chunk_bytes: int, weights: str | Sequence[str] | None, snapshot: str | None,
                    gpu: Any, stats: str | None,
-                   signal_effects: dict[str, str] | None = None) -> list[str]:
+                   signal_effects: dict[str, str] | None = None, replay: str | None = None,
+                   time_scale: float = 1.0) -> list[str]:
     """The command line of worker ``rank`` (the same `poseidon train`, with ``--rank``)."""
     cmd = [sys.executable, "-m", "poseidon_cli.main", "train", "--solver", solver, "--hosts", hosts,
            "--rank", str(rank), "--comm", comm, "--timeout", f"{timeout:g}"]
@@ -63,6 +64,8 @@ def worker_command(rank: int, solver: str, hosts: str, comm: str, timeout: float
                     if isinstance(value, (list, tuple)) else str(value)]
     if stats is not None and rank == 0:
         cmd += ["--stats", stats]
+    if replay is not None:
+        cmd += ["--replay", replay, "--time-scale", f"{time_scale:g}"]
     return cmd
 
 
@@ -82,7 +85,8 @@ def run_from_cli(solver: str, hosts: str, rank: int | None = None, comm: str = "
                  launch: str = "local", stats: str | None = None, timeout: float = 30.0,
                  weights: str | None = None, snapshot: str | None = None,
                  gpu: Any = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 signal_effects: dict[str, str] | None = None, **_: Any) -> None:
+                 signal_effects: dict[str, str] | None = None, replay: str | None = None,
+                 time_scale: float = 1.0, **_: Any) -> None:
     """What `poseidon train --hosts H` does; raises CommError with a one-line message."""
     if launch not in ("local", "ssh"):
         raise CommError(f"--launch must be 'local' or 'ssh', got {launch!r}")
@@ -92,18 +96,19 @@ def run_from_cli(solver: str, hosts: str, rank: int | None = None, comm: str = "
     rank = rank if rank is not None else rank_from_env()
     if rank is None:
         launch_all(entries, solver, hosts, comm, launch, stats, timeout, weights, snapshot, gpu,
-                   chunk_bytes, signal_effects)
+                   chunk_bytes, signal_effects, replay, time_scale)
         return
     if not 0 <= rank < len(entries):
         raise CommError(f"--rank {rank} out of range: {hosts} lists {len(entries)} hosts")
     run_worker(entries, rank, solver, hosts, comm, stats, timeout, weights, snapshot,
-               assign_gpus(entries, gpu)[rank], chunk_bytes, signal_effects)
+               assign_gpus(entries, gpu)[rank], chunk_bytes, signal_effects, replay, time_scale)
 
 
 # ------------------------------------------------------------------------------ the launcher
 def launch_all(entries: list[HostEntry], solver: str, hosts: str, comm: str, launch: str,
                stats: str | None, timeout: float, weights: str | None, snapshot: str | None,
-               gpu: Any, chunk_bytes: int, signal_effects: dict[str, str] | None = None) -> None:
+               gpu: Any, chunk_bytes: int, signal_effects: dict[str, str] | None = None,
+               replay: str | None = None, time_scale: float = 1.0) -> None:
     """Start every local worker (and, with ssh, the remote ones) and supervise them. SIGINT,
     SIGTERM and SIGHUP are passed on to each local worker, which acts on them as the solver's
     signal effects say, at the iteration all workers agree on (engine/comm/syncer.py); a
@@ -140,7 +145,8 @@ def launch_all(entries: list[HostEntry], solver: str, hosts: str, comm: str, lau
     try:
         for e in entries:
             cmd = worker_command(e.rank, solver, hosts, comm, timeout, chunk_bytes, weights,
-                                 snapshot, gpu_of[e.rank], stats, signal_effects)
+                                 snapshot, gpu_of[e.rank], stats, signal_effects, replay,
+                                 time_scale)
             if not is_local(e, local):
                 if launch != "ssh":
                     continue
@@ -223,7 +229,8 @@ def _signal_group(p: subprocess.Popen, sig: int) -> None:
 def run_worker(entries: list[HostEntry], rank: int, solver_path: str, hosts: str, comm: str,
                stats_path: str | None, timeout: float, weights: str | None,
                snapshot: str | None, gpu: Any, chunk_bytes: int,
-               signal_effects: dict[str, str] | None = None) -> None:
+               signal_effects: dict[str, str] | None = None, replay: str | None = None,
+               time_scale: float = 1.0) -> None:
     """Train as worker ``rank``: solver, own shard, barrier, plan, DWBP, BYE."""
     from engine import backend, glog
     from engine.context import RunContext
@@ -235,7 +242,12 @@ def run_worker(entries: list[HostEntry], rank: int, solver_path: str, hosts: str
     world = len(entries)
     if gpu is not None:
         backend.use_gpu(int(gpu))
-    solver = Solver(solver_path, context=RunContext(rank=rank, world_size=world), is_root=rank == 0)
+    context = RunContext(rank=rank, world_size=world)
+    if replay is not None:
+        from engine.perf.replay import make_solver
+        solver = make_solver(solver_path, replay, time_scale, context=context, is_root=rank == 0)
+    else:
+        solver = Solver(solver_path, context=context, is_root=rank == 0)
     solver.signal_effects.update(signal_effects or {})
     for w in weights.split(",") if isinstance(weights, str) else weights or ():
         if w:

@@ -121,12 +121,18 @@ class InnerProductLayer(Layer):
             else:
                 xp.matmul(dy.T, x, out=self._dw)
             w.diff += self._dw
-            self._factors = (dy, x)
+            self.remember_factors(top, bottom)
         if self.bias_term and self.param_propagate_down[1]:
             self.blobs[1].diff += dy.sum(axis=0)
         if propagate_down[0]:
             dx = bottom[0].diff.reshape(self.rows, self.inputs)
             xp.matmul(dy, w.data.T if self.transpose else w.data, out=dx)
+
+    def remember_factors(self, top: Sequence[Blob], bottom: Sequence[Blob]) -> None:
+        """This pass's (top diff, bottom data) as the factors; backward calls it, and so does
+        replayed compute (engine/perf/replay.py), which computes no gradient."""
+        self._factors = (top[0].diff.reshape(self.rows, self.num_output),
+                         bottom[0].data.reshape(self.rows, self.inputs))
 
     def sufficient_factors(self) -> tuple[Any, Any]:
         """The two factors of the weight gradient the last ``backward`` added.

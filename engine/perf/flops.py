@@ -47,6 +47,8 @@ def trace_from_flops(info: NetInfo, device: DeviceSpeed = TITAN_X) -> Trace:
             arith = memory = 0.0
         fwd = arith + memory
         bwd = 2.0 * arith + memory if l.index in param_layers else memory
+        if not l.bottom_bytes:  # a data layer: nothing to propagate to, no backward
+            bwd = 0.0
         layers.append(LayerTime(l.name, l.type, fwd * 1e3, bwd * 1e3))
     return Trace(info.name, info.batch, layers, device.name,
                  f"estimate: 2*MACs / {device.flops_per_s:.3g} FLOP/s + bytes / "

@@ -1,0 +1,74 @@
+"""Replayed compute (`poseidon train --replay T --time-scale S`): layers wait their traced time,
+everything else is real, so the same gradients of the same sizes cross the wire."""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+
+import pytest
+
+from engine.perf.trace import LayerTime, Trace
+from tests.test_comm_train import (digits_db, poseidon, write_hosts,  # noqa: F401
+                                   write_run)
+
+#: the digits net of tests/test_comm_train.py, layer by layer
+LAYERS = ["data", "conv1", "relu0", "ip1", "relu1", "ip2", "loss"]
+GLOG_TIME = re.compile(r"^I(\d{4}) (\d{2}:\d{2}:\d{2}\.\d{6}) .*\] Iteration (\d+) \(")
+
+
+def trace(tmp_path, fwd_ms: float, bwd_ms: float):
+    path = tmp_path / "trace.json"
+    Trace("CommNet", 8, [LayerTime(n, "", fwd_ms, bwd_ms) for n in LAYERS]).save(path)
+    return path
+
+
+def iteration_times(stderr: str) -> dict[int, float]:
+    """Iteration number -> its log line's time (seconds), from glog's prefix."""
+    out = {}
+    for line in stderr.splitlines():
+        m = GLOG_TIME.match(line)
+        if m:
+            t = dt.datetime.strptime(m.group(2), "%H:%M:%S.%f")
+            out[int(m.group(3))] = t.hour * 3600 + t.minute * 60 + t.second + t.microsecond / 1e6
+    return out
+
+
+def test_one_process_takes_the_traced_time(digits_db, tmp_path):  # noqa: F811
+    # 7 layers x 2 ms forward and 6 layers x 4 ms backward (the data layer has none), x 3:
+    # 114 ms per iteration, plus a small real solver update
+    solver = write_run(tmp_path, digits_db, 8, "r", iters=12, display=1)
+    done = poseidon("train", "--solver", str(solver), "--replay", str(trace(tmp_path, 2, 4)),
+                    "--time-scale", "3")
+    assert done.returncode == 0, done.stderr[-2000:]
+    times = iteration_times(done.stderr)
+    period = (times[11] - times[3]) / 8
+    assert 0.114 <= period <= 0.114 * 1.25 + 0.01, period
+    assert "no data is read and no test net is run" in done.stderr
+
+
+def test_replayed_workers_send_the_real_bytes(digits_db, tmp_path):  # noqa: F811
+    hosts, _ = write_hosts(tmp_path, 2)
+    per_layer = {}
+    for name, extra in (("real", []), ("replay", ["--replay", str(trace(tmp_path, 0.5, 1))])):
+        solver = write_run(tmp_path / name, digits_db, 8, name, iters=4)
+        stats = tmp_path / f"{name}.json"
+        done = poseidon("train", "--solver", str(solver), "--hosts", str(hosts), "--stats",
+                        str(stats), "--timeout", "20", *extra)
+        assert done.returncode == 0, done.stderr[-2000:]
+        s = json.loads(stats.read_text())
+        assert s["replicas_identical"] is True
+        per_layer[name] = {r["name"]: (r["scheme"], r["all_sent_per_iter"], r["all_recv_per_iter"])
+                           for r in s["layers"]}
+    assert per_layer["replay"] == per_layer["real"]
+    assert set(per_layer["real"]) == {"conv1", "ip1", "ip2"}
+
+
+def test_a_trace_without_a_layer_of_the_net_is_named(digits_db, tmp_path):  # noqa: F811
+    path = tmp_path / "short.json"
+    Trace("other", 8, [LayerTime("conv1", "", 1, 1)]).save(path)
+    solver = write_run(tmp_path, digits_db, 8, "r", iters=2)
+    done = poseidon("train", "--solver", str(solver), "--replay", str(path))
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "poseidon: error: trace other has no times for layer(s) data, relu0, ip1")
