@@ -6,7 +6,6 @@ import datetime as dt
 import json
 import re
 
-import pytest
 
 from engine.perf.trace import LayerTime, Trace
 from tests.test_comm_train import (digits_db, poseidon, write_hosts,  # noqa: F401
