@@ -20,6 +20,7 @@ COMMANDS = {
     "data": "poseidon_cli.data_cmd:data",
     "device-query": "poseidon_cli.device_cmd:device_query",
     "simulate": "poseidon_cli.simulate_cmd:simulate",
+    "bench": "poseidon_cli.bench_cmd:bench",
 }
 
 

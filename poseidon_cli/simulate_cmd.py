@@ -89,13 +89,15 @@ def plot_speedup(predictions: Sequence, path: str, title: str) -> None:
               help="Schemes to compare.")
 @click.option("--chunk-bytes", type=int, default=4 << 20, show_default=True,
               help="The PS chunk size the run will use.")
+@click.option("--save-trace", type=click.Path(dir_okay=False), default=None,
+              help="Write the layer times used (e.g. the --estimate) as a trace file.")
 @click.option("--json", "as_json", is_flag=True, help="Print the predictions as JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="Write speedup against workers as a PNG (needs matplotlib).")
 def simulate(model: str, trace_path: str | None, estimate: bool, batch: int | None,
              input_shape: str | None, workers: str, bandwidth: str, latency: str,
-             link_path: str | None, schemes: str, chunk_bytes: int, as_json: bool,
-             plot: str | None) -> None:
+             link_path: str | None, schemes: str, chunk_bytes: int, save_trace: str | None,
+             as_json: bool, plot: str | None) -> None:
     """Predict iteration time, exposed communication and speedup per scheme and worker count."""
     from engine.perf.dag import SCHEMES, missing_layers, sweep
     from engine.perf.flops import TITAN_X, trace_from_flops
@@ -124,6 +126,8 @@ def simulate(model: str, trace_path: str | None, estimate: bool, batch: int | No
             raise ValueError(f"{trace_path}: no times for layer(s) {', '.join(missing[:5])}"
                              f"{' ...' if len(missing) > 5 else ''} of {model}: a trace of "
                              "another net?")
+        if save_trace:
+            trace.save(save_trace)
         predictions = sweep(info, trace, counts, wanted, link, chunk_bytes=chunk_bytes)
         title = (f"{info.name}, batch {info.batch}/worker, {link.bits_per_s / 1e9:g} Gbit/s, "
                  f"alpha {link.alpha_s * 1e6:g} us")

@@ -1,0 +1,272 @@
+"""`poseidon bench cluster`: real `poseidon train` processes on an emulated cluster.
+
+For each worker count P and scheme, P network namespaces with shaped links
+(engine/perf/netns.py) each run one real worker (and its PS shard); rank 0's log gives the
+steady-state iteration time, /proc/stat the machine's CPU use over the same window, rank 0's
+``--stats`` the bytes per node and the overlap. Next to each measurement stands the DAG model's
+prediction for the same configuration (engine/perf/dag.py).
+
+With replayed compute (``--compute replay``) every layer waits its traced time x S and each
+link runs at bandwidth / S: the ratio of compute to communication of the traced GPUs on the
+traced network, slowed down S times so that this machine's few cores are not the bottleneck.
+Times are reported divided by S. The costs that stay real and are not scaled (the solver
+update, SFB's reconstruction, the shard's sums, all on this CPU and shared by 2P processes)
+are measured here and given to the model as its device. A run whose CPU was saturated is not a
+cluster measurement and is marked so.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .dag import Device, predict
+from .link import Link
+from .netinfo import net_info
+from .netns import EmulatedCluster
+from .trace import Trace, load_trace
+
+PORT = 29500
+#: a measurement whose machine was busier than this is not a cluster measurement
+CPU_SATURATED = 0.85
+_ITER_LINE = re.compile(r"^I\d{4} (\d{2}:\d{2}:\d{2}\.\d{6}) .*\] Iteration (\d+) \(")
+
+
+class BenchError(RuntimeError):
+    """A benchmark run that failed; the message names the run and the cause."""
+
+
+@dataclass
+class Measurement:
+    workers: int
+    scheme: str
+    compute: str
+    iteration_s: float          # steady state, divided by the time scale
+    predicted_s: float
+    images_per_s: float
+    bytes_per_node: float       # network bytes sent + received per iteration by rank 0's node
+    hidden_fraction: float
+    cpu_utilisation: float
+    cpu_bound: bool
+    speedup: float = 1.0
+    predicted_speedup: float = 1.0
+    efficiency: float = 1.0
+
+    @property
+    def error(self) -> float:
+        return self.predicted_s / self.iteration_s - 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "error": self.error}
+
+
+def cpu_device(processes: int) -> Device:
+    """This machine's speed at the work that replay leaves real, shared by ``processes``
+    busy processes on its cores (they update at the same moments in a synchronous run)."""
+    n = 1 << 22
+    w, g, h = (np.ones(n, np.float32) for _ in range(3))
+    t = _best(lambda: (np.multiply(h, 0.9, out=h), np.add(h, g, out=h), np.subtract(w, h, out=w)))
+    update = 5 * 4 * n / t
+    u, v = np.ones((256, 1024), np.float32), np.ones((256, 4096), np.float32)
+    gemm = 2 * 256 * 1024 * 4096 / _best(lambda: u.T @ v)
+    add = 4 * n / _best(lambda: np.add(w, g, out=w))
+    share = min(1.0, (os.cpu_count() or 1) / max(processes, 1))
+    return Device(f"this CPU shared by {processes} processes (x{share:.2f})",
+                  update_bytes_per_s=update * share, gemm_flops_per_s=gemm * share,
+                  add_bytes_per_s=add * share)
+
+
+def _best(fn: Any, repeat: int = 5) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+class CpuSampler:
+    """Samples /proc/stat every ``period`` s: (wall time, busy jiffies, total jiffies)."""
+
+    def __init__(self, period: float = 0.2) -> None:
+        self.samples: list[tuple[float, int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(period,), daemon=True)
+
+    def __enter__(self) -> "CpuSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+    def _run(self, period: float) -> None:
+        while not self._stop.is_set():
+            f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+            idle = f[3] + (f[4] if len(f) > 4 else 0)
+            self.samples.append((time.time(), sum(f) - idle, sum(f)))
+            self._stop.wait(period)
+
+    def utilisation(self, start: float, end: float) -> float:
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        if len(inside) < 2:
+            return float("nan")
+        (_, b0, t0), (_, b1, t1) = inside[0], inside[-1]
+        return (b1 - b0) / (t1 - t0) if t1 > t0 else float("nan")
+
+
+def iteration_times(log: str) -> dict[int, float]:
+    """Iteration -> wall time (epoch seconds) of rank 0's 'Iteration N (' lines (today)."""
+    today = dt.date.today()
+    out = {}
+    for line in log.splitlines():
+        m = _ITER_LINE.match(line)
+        if m:
+            t = dt.datetime.combine(today, dt.time.fromisoformat(m.group(1)))
+            out[int(m.group(2))] = t.timestamp()
+    return out
+
+
+def bench_solver(solver: Path, out: Path, iters: int) -> Path:
+    """A copy of ``solver`` for one measurement: ``iters`` iterations logged one by one, no
+    tests and no snapshots, its net named by an absolute path."""
+    from engine.caffe_io import read_solver_prototxt, write_prototxt
+
+    param = read_solver_prototxt(solver)
+    for f in ("net", "train_net"):
+        if param.HasField(f) and not Path(getattr(param, f)).is_absolute():
+            local = solver.parent / getattr(param, f)
+            setattr(param, f, str(local.resolve() if local.exists() else Path(getattr(param, f)).resolve()))
+    param.max_iter = iters
+    param.display = 1
+    param.snapshot = 0
+    param.snapshot_after_train = False
+    param.test_interval = 0
+    param.ClearField("test_iter")
+    param.snapshot_prefix = str(out / "snap")
+    path = out / "solver.prototxt"
+    write_prototxt(path, param)
+    return path
+
+
+def measure(solver: Path, workers: int, scheme: str, bits_per_s: float, compute: str,
+            trace_path: Path | None, time_scale: float, iters: int, warmup: int,
+            timeout: float = 600.0) -> tuple[float, dict[str, Any], float, float, float]:
+    """One run: (period in scaled seconds, rank 0's stats, CPU utilisation, alpha, seconds)."""
+    scale = time_scale if compute == "replay" else 1.0
+    with tempfile.TemporaryDirectory(prefix="poseidon-bench-") as d:
+        out = Path(d)
+        copy = bench_solver(solver, out, warmup + iters)
+        with EmulatedCluster(workers, bits_per_s / scale) as cluster, CpuSampler() as cpu:
+            alpha = cluster.measure_latency(50)
+            hosts = out / "hosts.txt"
+            hosts.write_text("".join(f"{a}:{PORT}\n" for a in cluster.addresses))
+            procs = []
+            for r in range(workers):
+                cmd = [sys.executable, "-m", "poseidon_cli.main", "train", "--solver", str(copy)]
+                if workers > 1:
+                    cmd += ["--hosts", str(hosts), "--rank", str(r), "--comm", scheme,
+                            "--timeout", "60"]
+                    if r == 0:
+                        cmd += ["--stats", str(out / "stats.json")]
+                if compute == "replay":
+                    cmd += ["--replay", str(trace_path), "--time-scale", f"{time_scale:g}"]
+                log = open(out / f"rank{r}.log", "w")
+                procs.append((cluster.run(r, cmd, stdout=subprocess.DEVNULL, stderr=log,
+                                          cwd=os.getcwd()), log))
+            deadline = time.monotonic() + timeout
+            for r, (p, log) in enumerate(procs):
+                try:
+                    p.wait(max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise BenchError(f"P={workers} {scheme}: rank {r} still running after "
+                                     f"{timeout:g} s") from None
+                finally:
+                    log.close()
+                if p.returncode != 0:
+                    tail = (out / f"rank{r}.log").read_text().strip().splitlines()[-3:]
+                    raise BenchError(f"P={workers} {scheme}: rank {r} exited with code "
+                                     f"{p.returncode}: {' | '.join(tail)}")
+        times = iteration_times((out / "rank0.log").read_text())
+        first, last = warmup - 1, warmup + iters - 1
+        if first not in times or last not in times:
+            raise BenchError(f"P={workers} {scheme}: rank 0 logged no iterations {first}..{last}")
+        period = (times[last] - times[first]) / iters
+        stats = json.loads((out / "stats.json").read_text()) if workers > 1 else {}
+        return period, stats, cpu.utilisation(times[first], times[last]), alpha, \
+            times[last] - times[first]
+
+
+def run_bench(solver: Path, workers: list[int], schemes: list[str], bits_per_s: float,
+              compute: str, trace_path: Path | None, time_scale: float, iters: int,
+              warmup: int, say: Any = print) -> list[Measurement]:
+    """Every (P, scheme); P = 1 is one plain process, once. Speedups are against it."""
+    info = net_info(solver)
+    if compute == "replay":
+        trace = load_trace(trace_path)  # type: ignore[arg-type]
+    else:
+        trace = _measured_trace(solver)
+    scale = time_scale if compute == "replay" else 1.0
+    rows: list[Measurement] = []
+    base: Measurement | None = None
+    for p in sorted(set(workers) | {1}):
+        for scheme in (["-"] if p == 1 else schemes):
+            period, stats, cpu, alpha, _ = measure(solver, p, scheme if p > 1 else "ps",
+                                                  bits_per_s, compute, trace_path, time_scale,
+                                                  iters, warmup)
+            link = Link(alpha, 8.0 / (bits_per_s / scale), "emulated, measured alpha")
+            device = cpu_device(2 * p if p > 1 else 1)
+            pred = predict(info, trace.scaled(scale) if scale != 1 else trace, p,
+                           scheme if p > 1 else "ps", link, device)
+            net_bytes = sum(r["net_sent_per_iter"] + r["net_recv_per_iter"]
+                            for r in stats.get("layers", []))
+            m = Measurement(p, scheme, compute, period / scale, pred.iteration_s / scale,
+                            p * info.batch / (period / scale), net_bytes,
+                            float(stats.get("hidden_fraction", 0.0)), cpu,
+                            bool(cpu > CPU_SATURATED))
+            if p == 1:
+                base = m
+            assert base is not None
+            m.speedup = m.images_per_s / base.images_per_s
+            m.predicted_speedup = base.predicted_s * p / m.predicted_s
+            m.efficiency = m.speedup / p
+            rows.append(m)
+            say(m)
+    return rows
+
+
+def _measured_trace(solver: Path) -> Trace:
+    """`--compute real`: this machine's own layer times for the training net, measured now."""
+    from engine.solver import Solver
+    from engine.timing import time_net
+
+    from .trace import trace_from_dict
+
+    s = Solver(solver)
+    try:
+        report = time_net(s.net, 5)
+    finally:
+        s.close()
+    return trace_from_dict(report.as_dict(), "poseidon time (measured now, this CPU)")
+
+
+def summary(rows: list[Measurement]) -> dict[str, Any]:
+    counted = [r for r in rows if not r.cpu_bound and r.workers > 1]
+    errors = [abs(r.error) for r in counted]
+    return {"rows": [r.as_dict() for r in rows],
+            "counted": len(counted),
+            "median_abs_error": statistics.median(errors) if errors else None,
+            "max_abs_error": max(errors) if errors else None}
