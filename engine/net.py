@@ -18,6 +18,7 @@ from . import backend
 from .blob import Blob
 from .context import RunContext
 from .layers import Layer, LayerError, create_layer
+from .perf import timeline
 from .pb import caffe_pb2
 
 PHASES = {"TRAIN": caffe_pb2.TRAIN, "TEST": caffe_pb2.TEST}
@@ -355,13 +356,21 @@ class Net:
     def forward_layer(self, i: int) -> None:
         """Reshape then forward layer ``i`` (Caffe's Layer::Forward reshapes every time)."""
         layer, b, t = self.layers[i], self.bottom_vecs[i], self.top_vecs[i]
+        tl = timeline.current
+        start = tl.now()
         layer.reshape(b, t)
         layer.forward(b, t)
+        if tl.active:
+            tl.complete(self.layer_names[i], "forward", start)
 
     def backward_layer(self, i: int) -> None:
         if self.layer_need_backward[i]:
+            tl = timeline.current
+            start = tl.now()
             self.layers[i].backward(self.top_vecs[i], self.bottom_need_backward[i],
                                     self.bottom_vecs[i])
+            if tl.active:
+                tl.complete(self.layer_names[i], "backward", start)
 
     def seed_loss_diffs(self) -> None:
         """Write each loss top's weight into its diff: backward starts from there."""

@@ -28,6 +28,7 @@ import numpy as np
 from . import backend, glog
 from .context import RunContext
 from .pb import caffe_pb2
+from .perf import timeline
 from .solvers import SolverError, check_lr_policy, clip_scale, learning_rate, make_rule, \
     normalize, regularize, solver_type
 
@@ -415,6 +416,8 @@ class Solver:
         timer = time.perf_counter()
         iter_last = self.iter
         while self.iter < stop_iter:
+            tl = timeline.current
+            iteration_start = tl.now()
             if p.test_interval and self.iter % p.test_interval == 0 and \
                     (self.iter > 0 or p.test_initialization):
                 if self.is_root:
@@ -440,6 +443,8 @@ class Solver:
                 self._sync.wait_all()
                 self.apply_update()
             self.iter += 1
+            if tl.active:
+                tl.complete(f"iteration {self.iter - 1}", "iteration", iteration_start)
             self._advance_progress(loss)
             request = self._take_request()
             if (p.snapshot and self.iter % p.snapshot == 0) or request == "snapshot":

@@ -10,6 +10,7 @@ import click
 
 SUBCOMMANDS = {
     "cluster": "poseidon_cli.bench_cluster_cmd:cluster",
+    "comm": "poseidon_cli.bench_comm_cmd:comm",
 }
 
 

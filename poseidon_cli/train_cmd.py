@@ -104,10 +104,13 @@ def solver_gpu(solver: str) -> list[int] | None:
               "poseidon-layer-trace or `poseidon time --json`); all else is real.")
 @click.option("--time-scale", type=float, default=1.0, show_default=True,
               help="With --replay: multiply every traced time by this.")
+@click.option("--timeline", default=None, type=click.Path(dir_okay=False),
+              help="Write Chrome trace events (Perfetto): layers, sends, sums, updates, per "
+              "process and thread, merged across the ranks of this machine.")
 def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | None,
           hosts: str | None, nproc: int | None, rank: int | None, comm: str, launch: str, stats: str | None,
           timeout: float, chunk_bytes: int, sigint_effect: str, sighup_effect: str,
-          replay: str | None, time_scale: float) -> None:
+          replay: str | None, time_scale: float, timeline: str | None) -> None:
     """Train a net from a Caffe solver, with Caffe's log lines and snapshots."""
     if weights and snapshot:
         fail("give --weights (fine-tune) or --snapshot (resume), not both")
@@ -132,7 +135,7 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
                          gpu=gpus,
                          hosts=made or hosts, rank=rank, comm=comm, launch=launch, stats=stats,
                          timeout=timeout, chunk_bytes=chunk_bytes, signal_effects=effects,
-                         replay=replay, time_scale=time_scale)
+                         replay=replay, time_scale=time_scale, timeline=timeline)
         return
 
     from engine import backend, glog
@@ -157,6 +160,12 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
             for w in weight_files:
                 s.load_weights(w)
             glog.info("Starting Optimization")
+            if timeline is not None:
+                from engine.perf import timeline as tl
+                tl.start(timeline, "train", "rank0")
             s.solve(snapshot)
         finally:
             s.close()
+            if timeline is not None:
+                tl.current.save_part()
+                tl.merge(timeline, expected=1)

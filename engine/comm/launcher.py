@@ -48,7 +48,7 @@ def worker_command(rank: int, solver: str, hosts: str, comm: str, timeout: float
                    chunk_bytes: int, weights: str | Sequence[str] | None, snapshot: str | None,
                    gpu: Any, stats: str | None,
                    signal_effects: dict[str, str] | None = None, replay: str | None = None,
-                   time_scale: float = 1.0) -> list[str]:
+                   time_scale: float = 1.0, timeline: str | None = None) -> list[str]:
     """The command line of worker ``rank`` (the same `poseidon train`, with ``--rank``)."""
     cmd = [sys.executable, "-m", "poseidon_cli.main", "train", "--solver", solver, "--hosts", hosts,
            "--rank", str(rank), "--comm", comm, "--timeout", f"{timeout:g}"]
@@ -66,6 +66,8 @@ def worker_command(rank: int, solver: str, hosts: str, comm: str, timeout: float
         cmd += ["--stats", stats]
     if replay is not None:
         cmd += ["--replay", replay, "--time-scale", f"{time_scale:g}"]
+    if timeline is not None:
+        cmd += ["--timeline", timeline]
     return cmd
 
 
@@ -75,9 +77,10 @@ def ssh_command(entry: HostEntry, cmd: Sequence[str]) -> list[str]:
     return ["ssh", "-o", "BatchMode=yes", "-o", "ServerAliveInterval=5", entry.host, remote]
 
 
-def shard_command(index: int, hosts: str, timeout: float) -> list[str]:
-    return [sys.executable, "-m", "engine.comm.launcher", "shard", "--hosts", hosts,
-            "--index", str(index), "--timeout", f"{timeout:g}"]
+def shard_command(index: int, hosts: str, timeout: float, timeline: str | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "engine.comm.launcher", "shard", "--hosts", hosts,
+           "--index", str(index), "--timeout", f"{timeout:g}"]
+    return cmd + (["--timeline", timeline] if timeline else [])
 
 
 # ------------------------------------------------------------------------------- entry point
@@ -86,7 +89,7 @@ def run_from_cli(solver: str, hosts: str, rank: int | None = None, comm: str = "
                  weights: str | None = None, snapshot: str | None = None,
                  gpu: Any = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  signal_effects: dict[str, str] | None = None, replay: str | None = None,
-                 time_scale: float = 1.0, **_: Any) -> None:
+                 time_scale: float = 1.0, timeline: str | None = None, **_: Any) -> None:
     """What `poseidon train --hosts H` does; raises CommError with a one-line message."""
     if launch not in ("local", "ssh"):
         raise CommError(f"--launch must be 'local' or 'ssh', got {launch!r}")
@@ -96,19 +99,21 @@ def run_from_cli(solver: str, hosts: str, rank: int | None = None, comm: str = "
     rank = rank if rank is not None else rank_from_env()
     if rank is None:
         launch_all(entries, solver, hosts, comm, launch, stats, timeout, weights, snapshot, gpu,
-                   chunk_bytes, signal_effects, replay, time_scale)
+                   chunk_bytes, signal_effects, replay, time_scale, timeline)
         return
     if not 0 <= rank < len(entries):
         raise CommError(f"--rank {rank} out of range: {hosts} lists {len(entries)} hosts")
     run_worker(entries, rank, solver, hosts, comm, stats, timeout, weights, snapshot,
-               assign_gpus(entries, gpu)[rank], chunk_bytes, signal_effects, replay, time_scale)
+               assign_gpus(entries, gpu)[rank], chunk_bytes, signal_effects, replay, time_scale,
+               timeline)
 
 
 # ------------------------------------------------------------------------------ the launcher
 def launch_all(entries: list[HostEntry], solver: str, hosts: str, comm: str, launch: str,
                stats: str | None, timeout: float, weights: str | None, snapshot: str | None,
                gpu: Any, chunk_bytes: int, signal_effects: dict[str, str] | None = None,
-               replay: str | None = None, time_scale: float = 1.0) -> None:
+               replay: str | None = None, time_scale: float = 1.0,
+               timeline: str | None = None) -> None:
     """Start every local worker (and, with ssh, the remote ones) and supervise them. SIGINT,
     SIGTERM and SIGHUP are passed on to each local worker, which acts on them as the solver's
     signal effects say, at the iteration all workers agree on (engine/comm/syncer.py); a
@@ -146,7 +151,7 @@ def launch_all(entries: list[HostEntry], solver: str, hosts: str, comm: str, lau
         for e in entries:
             cmd = worker_command(e.rank, solver, hosts, comm, timeout, chunk_bytes, weights,
                                  snapshot, gpu_of[e.rank], stats, signal_effects, replay,
-                                 time_scale)
+                                 time_scale, timeline)
             if not is_local(e, local):
                 if launch != "ssh":
                     continue
@@ -230,7 +235,7 @@ def run_worker(entries: list[HostEntry], rank: int, solver_path: str, hosts: str
                stats_path: str | None, timeout: float, weights: str | None,
                snapshot: str | None, gpu: Any, chunk_bytes: int,
                signal_effects: dict[str, str] | None = None, replay: str | None = None,
-               time_scale: float = 1.0) -> None:
+               time_scale: float = 1.0, timeline: str | None = None) -> None:
     """Train as worker ``rank``: solver, own shard, barrier, plan, DWBP, BYE."""
     from engine import backend, glog
     from engine.context import RunContext
@@ -270,7 +275,10 @@ def run_worker(entries: list[HostEntry], rank: int, solver_path: str, hosts: str
                             "bytes_per_node": p.bytes_per_node, "ps_bytes": p.ps_bytes,
                             "sfb_bytes": p.sfb_bytes, "ring_bytes": p.ring_bytes} for p in plans]
     stats.extra.update(rank=rank, world_size=world, comm=comm)
-    shard = subprocess.Popen(shard_command(rank, hosts, timeout), stderr=subprocess.PIPE)
+    if timeline is not None:
+        from engine.perf import timeline as tl
+        tl.start(timeline, f"worker {rank}", f"worker{rank}")
+    shard = subprocess.Popen(shard_command(rank, hosts, timeout, timeline), stderr=subprocess.PIPE)
     shard_errors: list[str] = []
     ep = None
 
@@ -308,11 +316,19 @@ def run_worker(entries: list[HostEntry], rank: int, solver_path: str, hosts: str
         if shard.poll() is None:
             shard.kill()  # it ignores the polite signals (see main); it holds nothing to save
             shard.wait()
+        if timeline is not None:
+            tl.current.save_part()
+            if rank == 0:  # the worker and shard of each entry on this machine
+                here = local_addresses()
+                tl.merge(timeline, expected=2 * sum(is_local(e, here) for e in entries))
 
 
 # --------------------------------------------------------------------------------- a shard
-def run_shard(index: int, hosts: str, timeout: float) -> int:
+def run_shard(index: int, hosts: str, timeout: float, timeline: str | None = None) -> int:
     entries = parse_hosts(hosts)
+    if timeline is not None:
+        from engine.perf import timeline as tl
+        tl.start(timeline, f"shard {index}", f"shard{index}")
     srv = ShardServer(index, entries, timeout=timeout, exit_grace=EXIT_GRACE_S)
     try:
         srv.start()
@@ -324,6 +340,8 @@ def run_shard(index: int, hosts: str, timeout: float) -> int:
         return 1
     finally:
         srv.close()
+        if timeline is not None:
+            tl.current.save_part()
     return 0
 
 
@@ -334,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     sh.add_argument("--hosts", required=True)
     sh.add_argument("--index", type=int, required=True)
     sh.add_argument("--timeout", type=float, default=30.0)
+    sh.add_argument("--timeline", default=None)
     args = ap.parse_args(argv)
     # A shard lives and ends with its worker: Ctrl-C on a terminal, SLURM's SIGTERM to every
     # process of a step, or a hang-up ask the worker to snapshot or stop, and it needs its
@@ -342,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         if sig is not None:
             signal.signal(sig, signal.SIG_IGN)
     try:
-        return run_shard(args.index, args.hosts, args.timeout)
+        return run_shard(args.index, args.hosts, args.timeout, args.timeline)
     except CommError as e:
         print(f"poseidon: error: {e}", file=sys.stderr)
         return 1

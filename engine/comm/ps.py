@@ -22,6 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from engine.pb import poseidon_pb2 as pb
+from engine.perf import timeline
 
 from .errors import CommError
 from .hosts import HostEntry
@@ -146,12 +147,20 @@ class ShardServer:
             del self._pending[key]
             request = self._requests.pop(key)
             self._next[(h.param, h.chunk)] = h.round + 1
+        tl = timeline.current
+        start = tl.now()
         total = got[0].copy()
         for r in range(1, self.world):  # rank order: the sum is the same whatever came first
             total += got[r]
+        if tl.active:
+            tl.complete(f"aggregate p{h.param}c{h.chunk}", "aggregate", start,
+                        {"round": h.round, "layer": h.layer, "bytes": total.nbytes})
+            start = tl.now()
         out = header(pb.SUM, round=h.round, layer=h.layer, param=h.param, chunk=h.chunk,
                      request=request)
         self.ep.broadcast(self.workers, out, [total])
+        if tl.active:
+            tl.complete(f"send sum p{h.param}c{h.chunk}", "send", start, {"round": h.round})
         self.ep.stats.note_round(h.layer, h.round)
 
     def start(self) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 
 from engine import backend
 from engine.pb import poseidon_pb2 as pb
+from engine.perf import timeline
 
 from .errors import CommError
 from .hosts import HostEntry
@@ -168,6 +169,8 @@ class Syncer:
         if layer not in self.layers:
             return
         t = now()
+        tl = timeline.current
+        start = tl.now()
         with self._cond:
             while self._applied[layer] < self._released[layer]:
                 self._raise_if_failed()
@@ -176,6 +179,8 @@ class Syncer:
         waited = now() - t
         if waited > 0:
             self.stats.add_wait(layer, waited)
+        if tl.active:
+            tl.complete(self.layers[layer].name, "wait", start)
 
     def wait_all(self) -> None:
         for layer in self.layers:
@@ -288,6 +293,8 @@ class Syncer:
             if job is None or ep.error is not None:
                 return
             layer, rnd, _, factors, request = job
+            tl = timeline.current
+            start = tl.now()
             if factors is not None:
                 peers = [(WORKER, r) for r in range(self.world) if r != self.rank]
                 ep.broadcast(peers, header(pb.FACTORS, round=rnd, layer=layer, request=request),
@@ -300,6 +307,12 @@ class Syncer:
                                                          param=p.index, chunk=c.chunk,
                                                          request=request),
                                 [flat[c.offset:c.offset + c.count]])
+            if tl.active:
+                slot = self.layers[layer]
+                nbytes = (sum(f.nbytes for f in factors) * (self.world - 1) if factors is not None
+                          else sum(p.blob.diff.nbytes for p in slot.params))
+                tl.complete(f"send {slot.name}", "send", start,
+                            {"round": rnd, "scheme": self.schemes[layer], "bytes": nbytes})
             self._reduce_q.put(job)
 
     def _reduce_loop(self) -> None:
@@ -313,7 +326,11 @@ class Syncer:
                 request |= self._reduce_sfb(slot, rnd, factors)
             else:
                 request = self._reduce_ps(slot, rnd)
+            tl = timeline.current
+            start = tl.now()
             self.update_layer(layer)
+            if tl.active:
+                tl.complete(f"update {slot.name}", "update", start, {"round": rnd})
             with self._cond:
                 if request:
                     self._round_requests[rnd] = self._round_requests.get(rnd, 0) | request
@@ -327,7 +344,11 @@ class Syncer:
         """Write the mean gradient from the shards' sums; returns their signal bits."""
         keys = [message_key(pb.SUM, (SHARD, c.shard), rnd, slot.layer, p.index, c.chunk)
                 for p in slot.params for c in self._chunks[p.index]]
+        tl = timeline.current
+        start = tl.now()
         sums = self.ep.wait_for(keys, f"the sums of layer {slot.name} round {rnd}")
+        if tl.active:
+            tl.complete(f"receive {slot.name}", "receive", start, {"round": rnd})
         msgs = iter(sums)
         for p in slot.params:
             total = np.empty(p.blob.diff.size, dtype=p.blob.diff.dtype)
@@ -341,7 +362,12 @@ class Syncer:
         """Rebuild the mean gradient from every worker's factors; returns the peers' bits."""
         others = [r for r in range(self.world) if r != self.rank]
         keys = [message_key(pb.FACTORS, (WORKER, r), rnd, slot.layer) for r in others]
+        tl = timeline.current
+        start = tl.now()
         msgs = self.ep.wait_for(keys, f"the sufficient factors of layer {slot.name} round {rnd}")
+        if tl.active:
+            tl.complete(f"receive {slot.name}", "receive", start, {"round": rnd})
+            start = tl.now()
         got = {r: m.arrays for r, m in zip(others, msgs)}
         got[self.rank] = own
         # Rank order: every replica forms the very same matrices, so results are bit-identical.
@@ -359,6 +385,8 @@ class Syncer:
                                 "sufficient factors")
             g /= self.world
             _write(p.blob, g)
+        if tl.active:
+            tl.complete(f"rebuild {slot.name}", "rebuild", start, {"round": rnd})
         return _request_bits(msgs)
 
 

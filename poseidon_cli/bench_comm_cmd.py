@@ -1,0 +1,102 @@
+"""`poseidon bench comm`: the transport's latency and throughput beside a raw TCP stream."""
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+from pathlib import Path
+
+import click
+
+from .main import fail, user_errors
+
+UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().upper().rstrip("B")
+    mult = UNITS.get(t[-1:], 1)
+    try:
+        n = int(float(t[:-1] if t[-1:] in UNITS else t) * mult)
+    except ValueError:
+        raise ValueError(f"size {text!r}: expected e.g. 4K, 64M, 1048576") from None
+    if n < 4:
+        raise ValueError(f"size {text!r}: at least 4 bytes (one float)")
+    return n
+
+
+def parse_sizes(text: str) -> list[int]:
+    """'1K-256M' (powers of 4 between) or '64M' or '1K,64M'."""
+    out: list[int] = []
+    for part in text.split(","):
+        lo, sep, hi = part.partition("-")
+        if not sep:
+            out.append(parse_size(lo))
+            continue
+        a, b = parse_size(lo), parse_size(hi)
+        while a <= b:
+            out.append(a)
+            a *= 4
+    return sorted(set(out))
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@click.command("comm")
+@click.option("--sizes", default="1K-256M", show_default=True,
+              help="Message sizes: 1K-256M (x4 steps), or a list 4K,64M.")
+@click.option("--repeats", type=int, default=5, show_default=True,
+              help="Alternating repetitions per size (fewer for the largest).")
+@click.option("--workers", default="2,4,8,16", show_default=True,
+              help="Worker counts for the per-scheme table.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write every row, the fit and the scheme table here.")
+@click.option("--link-out", type=click.Path(dir_okay=False), default=None,
+              help="Write the fitted alpha and beta for `poseidon simulate --link`.")
+def comm(sizes: str, repeats: int, workers: str, json_path: str | None,
+         link_out: str | None) -> None:
+    """Poseidon's transport against raw TCP between two local processes; fits alpha, beta."""
+    from engine.perf.bench_comm import run, scheme_times
+
+    from .simulate_cmd import parse_workers
+
+    with user_errors():
+        chosen = parse_sizes(sizes)
+        counts = parse_workers(workers)
+        if repeats < 1:
+            raise ValueError(f"--repeats must be positive, got {repeats}")
+    click.echo(f"machine: {cpu_name()}, loopback; peer: a raw TCP stream in the same run; "
+               f"iperf3: {'installed, not run' if shutil.which('iperf3') else 'not installed'}")
+    click.echo(f"{'bytes':>11} {'one-way us':>11} {'poseidon MB/s':>14} {'tcp MB/s':>10} "
+               f"{'ratio':>6}")
+
+    def say(r) -> None:
+        click.echo(f"{r.bytes:>11} {r.poseidon_one_way_s * 1e6:>11.1f} {r.poseidon_mb_s:>14.1f} "
+                   f"{r.tcp_mb_s:>10.1f} {r.ratio:>6.2f}")
+
+    try:
+        rows, link = run(chosen, repeats, say)
+    except (RuntimeError, OSError) as e:
+        fail(f"bench comm: {e}")
+    click.echo(f"fit: alpha = {link.alpha_s * 1e6:.1f} us, beta = {link.beta_s_per_byte * 1e9:.4f} "
+               f"ns/byte ({link.bits_per_s / 1e9:.2f} Gbit/s)")
+    size = max(chosen)
+    table = scheme_times(link, size, counts)
+    click.echo(f"per-node time to synchronise {size} bytes on this link:")
+    for t in table:
+        click.echo(f"  P={t['workers']:>3}  ps {t['ps_s'] * 1e3:9.2f} ms   ring {t['ring_s'] * 1e3:9.2f} ms")
+    if link_out:
+        link.save(link_out)
+        click.echo(f"wrote {link_out}")
+    if json_path:
+        Path(json_path).write_text(json.dumps(
+            {"machine": cpu_name(), "rows": [r.as_dict() for r in rows], "link": link.as_dict(),
+             "schemes": table}, indent=1) + "\n")

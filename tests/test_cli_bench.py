@@ -1,0 +1,66 @@
+"""`poseidon bench`: the group, `bench comm` (transport against raw TCP, the alpha-beta fit)
+and `bench cluster` (real workers in namespaces, real compute on a small net)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from engine.perf.link import load_link
+from tests.test_cli_caffe_habits import run
+from tests.test_comm_train import digits_db, write_run  # noqa: F401
+
+
+def test_bench_lists_its_subcommands():
+    done = run("bench", "--help")
+    assert done.returncode == 0
+    listed = done.stdout.split("Commands:")[1].split()
+    assert {"cluster", "comm"} <= set(listed)
+
+
+def test_bench_comm_measures_both_and_fits_a_link(tmp_path):
+    out, link = tmp_path / "comm.json", tmp_path / "link.json"
+    done = run("bench", "comm", "--sizes", "4K,256K", "--repeats", "3", "--json", str(out),
+               "--link-out", str(link))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert [r["bytes"] for r in report["rows"]] == [4096, 262144]
+    for r in report["rows"]:
+        assert r["poseidon_mb_s"] > 0 and r["tcp_mb_s"] > 0
+        assert r["ratio"] == pytest.approx(r["poseidon_mb_s"] / r["tcp_mb_s"])
+    fitted = load_link(link)
+    assert fitted.beta_s_per_byte > 0 and fitted.alpha_s >= 0
+    # the fit passes near its points: one-way time of 256 KB within a factor 2
+    big = report["rows"][1]
+    assert 0.5 <= fitted.time(262144) / big["poseidon_one_way_s"] <= 2.0
+    assert [t["workers"] for t in report["schemes"]] == [2, 4, 8, 16]
+
+
+def test_bench_cluster_without_root_says_so(monkeypatch):
+    from poseidon_cli.main import cli
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    r = CliRunner().invoke(cli, ["bench", "cluster", "--solver", "s.prototxt", "--compute", "real"])
+    assert r.exit_code == 1
+    assert r.output.strip().splitlines()[-1] == (
+        "poseidon: error: bench cluster needs root (network namespaces); run it with sudo")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None,
+                    reason="the emulated cluster needs root and iproute2")
+def test_bench_cluster_real_compute_on_a_small_net(digits_db, tmp_path):  # noqa: F811
+    solver = write_run(tmp_path, digits_db, 16, "b", iters=1)
+    out = tmp_path / "cluster.json"
+    done = run("bench", "cluster", "--solver", str(solver), "--workers", "1,2", "--scheme",
+               "hybrid", "--compute", "real", "--bandwidth", "1gbit", "--iters", "3",
+               "--warmup", "2", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    rows = {(r["workers"], r["scheme"]): r for r in report["rows"]}
+    assert set(rows) == {(1, "-"), (2, "hybrid")} and report["compute"] == "real"
+    two = rows[(2, "hybrid")]
+    assert two["iteration_s"] > 0 and two["predicted_s"] > 0 and two["bytes_per_node"] > 0
+    assert 0 <= two["cpu_utilisation"] <= 1
+    assert "compute: real" in done.stderr
