@@ -85,7 +85,7 @@ def cpu_device(processes: int) -> Device:
     share = min(1.0, (os.cpu_count() or 1) / max(processes, 1))
     return Device(f"this CPU shared by {processes} processes (x{share:.2f})",
                   update_bytes_per_s=update * share, gemm_flops_per_s=gemm * share,
-                  add_bytes_per_s=add * share)
+                  add_bytes_per_s=add * share, update_on_device=False)
 
 
 def _best(fn: Any, repeat: int = 5) -> float:

@@ -53,6 +53,9 @@ class Device:
     gemm_flops_per_s: float = 5e12
     #: a shard's adds of P pushes (a CPU process in Poseidon, also on GPU clusters)
     add_bytes_per_s: float = 8e9
+    #: the update runs on the device that computes (a GPU's kernels queue behind backward's),
+    #: so it takes compute time; False when compute is replayed and the CPU does the update
+    update_on_device: bool = True
 
 
 @dataclass
@@ -62,7 +65,8 @@ class LayerTiming:
     bytes_sent: float  # by the busiest node, per iteration
     bytes_received: float
     comm_s: float      # time on the link
-    reduce_s: float    # reconstruction + update on the reducer
+    reduce_s: float    # on the reducer: reconstruction, and the update when not on the device
+    update_s: float = 0.0  # the solver update of the layer
 
 
 @dataclass
@@ -106,12 +110,13 @@ def _layer_costs(info: LayerInfo, scheme: str, p: int, link: Link, device: Devic
     """Link time and reducer time of one layer on the busiest node."""
     params_bytes = info.params * info.itemsize
     update = device.update_passes * params_bytes / device.update_bytes_per_s
+    on_reducer = 0.0 if device.update_on_device else update
     if scheme == "sfb":
         k, m, n = info.factors  # type: ignore[misc]
         sent = recv = (p - 1) * k * (m + n) * info.itemsize
         comm = link.alpha_s + link.beta_s_per_byte * max(sent, recv)
         rebuild = 2.0 * p * k * m * n / device.gemm_flops_per_s
-        return LayerTiming(info.name, scheme, sent, recv, comm, rebuild + update)
+        return LayerTiming(info.name, scheme, sent, recv, comm, rebuild + on_reducer, update)
     sent = [0.0] * p
     recv = [0.0] * p
     adds = [0.0] * p
@@ -129,7 +134,7 @@ def _layer_costs(info: LayerInfo, scheme: str, p: int, link: Link, device: Devic
     # push then sum: two message rounds; the last chunk's push and sum do not overlap
     comm = (2 * link.alpha_s + link.beta_s_per_byte * (max(sent[busiest], recv[busiest]) + largest)
             + adds[busiest] / device.add_bytes_per_s / max(len(chunks), 1))
-    return LayerTiming(info.name, scheme, sent[busiest], recv[busiest], comm, update)
+    return LayerTiming(info.name, scheme, sent[busiest], recv[busiest], comm, on_reducer, update)
 
 
 def _times(info: NetInfo, trace: Trace) -> tuple[list[float], list[float]]:
@@ -186,6 +191,8 @@ def predict(info: NetInfo, trace: Trace, workers: int, scheme: str, link: Link,
                 link_free = max(link_free, t) + c.comm_s
                 reducer_free = max(reducer_free, link_free) + c.reduce_s
                 ready[i] = reducer_free
+        if device.update_on_device:  # the updates' kernels take the device's time too
+            t += sum(c.update_s for c in costs.values())
     period = starts[-1] - starts[-2]
     bytes_per_node = sum(c.bytes_sent + c.bytes_received for c in costs.values())
     return Prediction(scheme, workers, batch, period, compute, max(period - compute, 0.0),
