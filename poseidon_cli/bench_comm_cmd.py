@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import platform
 import shutil
 from pathlib import Path
 
@@ -40,16 +39,6 @@ def parse_sizes(text: str) -> list[int]:
     return sorted(set(out))
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 @click.command("comm")
 @click.option("--sizes", default="1K-256M", show_default=True,
               help="Message sizes: 1K-256M (x4 steps), or a list 4K,64M.")
@@ -73,7 +62,8 @@ def comm(sizes: str, repeats: int, workers: str, json_path: str | None,
         counts = parse_workers(workers)
         if repeats < 1:
             raise ValueError(f"--repeats must be positive, got {repeats}")
-    click.echo(f"machine: {cpu_name()}, loopback; peer: a raw TCP stream in the same run; "
+    from engine.perf.bench_comm import cpu_name_and_blas
+    click.echo(f"machine: {cpu_name_and_blas()}, loopback; peer: a raw TCP stream in the same run; "
                f"iperf3: {'installed, not run' if shutil.which('iperf3') else 'not installed'}")
     click.echo(f"{'bytes':>11} {'one-way us':>11} {'poseidon MB/s':>14} {'tcp MB/s':>10} "
                f"{'ratio':>6}")
@@ -98,5 +88,5 @@ def comm(sizes: str, repeats: int, workers: str, json_path: str | None,
         click.echo(f"wrote {link_out}")
     if json_path:
         Path(json_path).write_text(json.dumps(
-            {"machine": cpu_name(), "rows": [r.as_dict() for r in rows], "link": link.as_dict(),
+            {"machine": cpu_name_and_blas(), "rows": [r.as_dict() for r in rows], "link": link.as_dict(),
              "schemes": table}, indent=1) + "\n")

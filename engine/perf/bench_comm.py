@@ -194,6 +194,30 @@ def run(sizes: list[int] | None = None, budget: int = 5,
     return rows, fit_link(pp_points)
 
 
+def cpu_name_and_blas() -> str:
+    """The CPU model, core count and the BLAS numpy uses (what a speed depends on)."""
+    import os
+    from pathlib import Path
+
+    name = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    blas = "unknown BLAS"
+    try:
+        from threadpoolctl import threadpool_info
+        libs = [i for i in threadpool_info() if i.get("user_api") == "blas"]
+        if libs:
+            blas = f"{libs[0].get('internal_api')} {libs[0].get('version')}"
+    except ImportError:
+        pass
+    return f"{name}, {os.cpu_count()} cores, {blas}"
+
+
 def fit_link(points: list[tuple[int, float]]) -> Link:
     """Least squares of t = alpha + beta * bytes, weighting each point by 1/t (relative
     error), so that the small messages set alpha and the large ones beta."""

@@ -1,7 +1,8 @@
 """The PyTorch peer of a Poseidon Net: the same layers, shapes and weights as torch ops.
 
-Benchmarks run it side by side with Poseidon on the same machine in the same run, so a
-ratio means something on a shared, noisy machine. It covers the layer types of the timed
+`poseidon bench time` runs it side by side with Poseidon on the same machine in the same run,
+so a ratio means something on a shared, noisy machine. PyTorch is never a dependency: this
+module imports it only when called. It covers the layer types of the timed
 nets (Input, Convolution, Pooling, LRN, ReLU, Dropout, InnerProduct, SoftmaxWithLoss,
 Accuracy); another type is a clear error.
 """

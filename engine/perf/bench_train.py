@@ -1,0 +1,179 @@
+"""`poseidon bench train`: data-parallel training on local workers, Poseidon against PyTorch
+DistributedDataParallel (gloo), in the same run.
+
+One net (the 8x8 digits: conv 3x3x20, InnerProduct 1280->1024, InnerProduct 1024->10, batch 32
+per worker) trained by `poseidon train --hosts` with each scheme, and by the same architecture
+under DDP. Both read the same LMDB records in the same order: worker r of P takes the r-th block
+of B records of each P·B, as Poseidon's data layers do. Every process runs on one BLAS thread.
+Reports images/s (medians of the solver's iter/s after warm-up; DDP timed the same way), bytes
+per iteration, network wait and hidden fraction, and the ratio Poseidon / DDP. On one machine the
+network is loopback and the workers share the cores: this measures overheads, not a cluster
+(for that, `poseidon bench cluster`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from engine.comm.hosts import free_base_port
+
+ROOT = Path(__file__).resolve().parents[2]
+BATCH = 32
+HIDDEN = 1024
+
+NET = """name: "BenchNet"
+layer {{ name: "data" type: "Data" top: "data" top: "label"
+  transform_param {{ scale: 0.00390625 }}
+  data_param {{ source: "{db}" backend: LMDB batch_size: {batch} }} }}
+layer {{ name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param {{ num_output: 20 kernel_size: 3 pad: 1 weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "relu0" type: "ReLU" bottom: "conv1" top: "conv1" }}
+layer {{ name: "ip1" type: "InnerProduct" bottom: "conv1" top: "ip1"
+  inner_product_param {{ num_output: {hidden} weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "relu1" type: "ReLU" bottom: "ip1" top: "ip1" }}
+layer {{ name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
+  inner_product_param {{ num_output: 10 weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: "loss" }}
+"""
+
+SOLVER = """net: "net.prototxt"
+type: "SGD"
+base_lr: 0.01
+momentum: 0.9
+lr_policy: "fixed"
+max_iter: {iters}
+display: {display}
+random_seed: 1
+snapshot_after_train: false
+"""
+
+_DDP_CHILD = r"""
+import json, sys, time
+import numpy as np
+import torch, torch.distributed as dist
+from torch import nn
+from engine.data.datum import datum_to_array, parse_datum
+from engine.data.lmdb_source import open_db
+torch.set_num_threads(1)
+rank, world, iters, port, db = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=world)
+torch.manual_seed(1)
+model = nn.Sequential(nn.Conv2d(1, 20, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                      nn.Linear(20 * 8 * 8, {hidden}), nn.ReLU(), nn.Linear({hidden}, 10))
+ddp = nn.parallel.DistributedDataParallel(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+src = open_db(db)
+n = len(src)
+def batch(it):
+    # the records Poseidon's rank-strided data layer gives worker `rank` at iteration `it`
+    first = it * world * {batch} + rank * {batch}
+    xs, ys = [], []
+    for k in range(first, first + {batch}):
+        d = parse_datum(src.get(k % n)[1])
+        xs.append(datum_to_array(d).astype(np.float32) * 0.00390625)
+        ys.append(d.label)
+    return torch.from_numpy(np.stack(xs)), torch.tensor(ys)
+stamps = []
+for it in range(iters):
+    x, y = batch(it)
+    opt.zero_grad()
+    nn.functional.cross_entropy(ddp(x), y).backward()
+    opt.step()
+    stamps.append(time.perf_counter())
+warm = len(stamps) // 3
+rate = (len(stamps) - 1 - warm) / (stamps[-1] - stamps[warm])
+if rank == 0:
+    print(json.dumps({{"iter_per_s": rate}}))
+dist.destroy_process_group()
+"""
+
+
+def one_thread_env() -> dict[str, str]:
+    env = dict(os.environ)
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[var] = "1"
+    return env
+
+
+def run_poseidon(work: Path, db: Path, workers: int, comm: str, iters: int) -> dict[str, Any]:
+    d = work / f"p{workers}_{comm}"
+    d.mkdir()
+    (d / "net.prototxt").write_text(NET.format(db=db, batch=BATCH, hidden=HIDDEN))
+    (d / "solver.prototxt").write_text(SOLVER.format(iters=iters, display=max(iters // 6, 1)))
+    cmd = [sys.executable, "-m", "poseidon_cli.main", "train", "--solver", str(d / "solver.prototxt")]
+    stats = d / "stats.json"
+    if workers > 1:
+        base = free_base_port(workers)
+        (d / "hosts").write_text("".join(f"127.0.0.1:{base + 2 * i}\n" for i in range(workers)))
+        cmd += ["--hosts", str(d / "hosts"), "--comm", comm, "--stats", str(stats)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=one_thread_env(),
+                          timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"poseidon P={workers} {comm}: {done.stderr.strip().splitlines()[-1:]}")
+    rates = [float(m) for m in re.findall(r"Iteration \d+ \(([\d.e+-]+) iter/s", done.stderr)]
+    rates = rates[2:] or rates  # skip the start-up windows
+    ips = statistics.median(rates) if rates else float("nan")
+    out: dict[str, Any] = {"workers": workers, "comm": comm if workers > 1 else "-",
+                           "iter_per_s": ips, "images_per_s": ips * BATCH * workers}
+    if workers > 1:
+        s = json.loads(stats.read_text())
+        out.update(wait_ms_per_iter=1e3 * s["wait_s_per_iter"],
+                   hidden_fraction=s["hidden_fraction"],
+                   worker_bytes_per_iter=sum(r["all_sent_per_iter"] + r["all_recv_per_iter"]
+                                             for r in s["layers"]))
+    return out
+
+
+def run_ddp(db: Path, workers: int, iters: int) -> dict[str, Any]:
+    port = str(free_base_port(1))
+    code = _DDP_CHILD.format(hidden=HIDDEN, batch=BATCH)
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(workers), str(iters), port,
+                               str(db)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=one_thread_env()) for r in range(workers)]
+    try:
+        outs = [p.communicate(timeout=900) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if any(p.returncode for p in procs):
+        raise RuntimeError("DDP failed: " + " | ".join(e.strip().splitlines()[-1] for _, e in outs
+                                                       if e.strip()))
+    ips = json.loads(outs[0][0].strip().splitlines()[-1])["iter_per_s"]
+    return {"workers": workers, "iter_per_s": ips, "images_per_s": ips * BATCH * workers}
+
+
+def run(workers: list[int], comms: list[str], iters: int, work: Path, with_ddp: bool,
+        say: Callable[[str], None] = print) -> dict[str, Any]:
+    from engine.data.converters import convert_digits
+
+    convert_digits(work / "digits")
+    db = work / "digits" / "digits_train_lmdb"
+    results: dict[str, Any] = {"batch_per_worker": BATCH, "iters": iters,
+                               "cpu_count": os.cpu_count(), "poseidon": [], "ddp": []}
+    for n in workers:
+        ddp = run_ddp(db, n, iters) if with_ddp else None
+        if ddp:
+            results["ddp"].append(ddp)
+        for comm in (comms if n > 1 else ["-"]):
+            r = run_poseidon(work, db, n, comm, iters)
+            if ddp:
+                r["ratio_vs_ddp"] = r["images_per_s"] / ddp["images_per_s"]
+            results["poseidon"].append(r)
+            line = f"P={n} {r['comm']:>6}: poseidon {r['images_per_s']:8.0f} img/s"
+            if ddp:
+                line += f", DDP {ddp['images_per_s']:8.0f} img/s, ratio {r['ratio_vs_ddp']:.2f}"
+            if n > 1:
+                line += (f"; wait {r['wait_ms_per_iter']:.1f} ms/iter, "
+                         f"{100 * r['hidden_fraction']:.0f}% hidden, "
+                         f"{r['worker_bytes_per_iter'] / 1e6:.2f} MB/iter")
+            say(line)
+        time.sleep(0)
+    return results

@@ -1,0 +1,41 @@
+"""`poseidon bench train`: local data-parallel workers beside PyTorch DDP (gloo)."""
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import click
+
+from .main import fail, user_errors
+from .simulate_cmd import parse_workers
+
+
+@click.command("train")
+@click.option("--workers", default="1,2,4", show_default=True, help="Local worker counts.")
+@click.option("--scheme", "schemes", default="ps,sfb,hybrid", show_default=True)
+@click.option("--iters", type=int, default=60, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+def train(workers: str, schemes: str, iters: int, json_path: str | None) -> None:
+    """Poseidon's workers against DDP on the same net and the same records."""
+    from engine.perf.bench_comm import cpu_name_and_blas
+    from engine.perf.bench_time import torch_available
+    from engine.perf.bench_train import run
+
+    if iters < 6:
+        fail("--iters must be at least 6 (the first third is warm-up)")
+    with user_errors():
+        counts = parse_workers(workers)
+    click.echo(f"machine: {cpu_name_and_blas()}; loopback: overheads, not a cluster")
+    ddp = torch_available()
+    if not ddp:
+        click.echo("PyTorch is not installed (pip install torch==2.13.0): Poseidon alone, no "
+                   "DDP peer")
+    with tempfile.TemporaryDirectory(prefix="poseidon-bench-train-") as d:
+        try:
+            report = run(counts, [s.strip() for s in schemes.split(",") if s.strip()], iters,
+                         Path(d), ddp, click.echo)
+        except RuntimeError as e:
+            fail(str(e))
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=1) + "\n")
