@@ -9,14 +9,7 @@ import numpy as np
 
 from . import backend
 from .net import Net
-
-
-@dataclass
-class LayerTime:
-    name: str
-    type: str
-    forward_ms: float
-    backward_ms: float
+from .perf.trace import LayerTime  # a timing report is a layer-time trace
 
 
 @dataclass

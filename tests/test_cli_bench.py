@@ -64,3 +64,32 @@ def test_bench_cluster_real_compute_on_a_small_net(digits_db, tmp_path):  # noqa
     assert two["iteration_s"] > 0 and two["predicted_s"] > 0 and two["bytes_per_node"] > 0
     assert 0 <= two["cpu_utilisation"] <= 1
     assert "compute: real" in done.stderr
+
+
+def test_bench_time_without_torch_times_the_engine_alone(monkeypatch, tmp_path):
+    from engine.perf import bench_time
+    from poseidon_cli.main import cli
+    monkeypatch.setattr(bench_time, "torch_available", lambda: False)
+    out = tmp_path / "time.json"
+    r = CliRunner().invoke(cli, ["bench", "time", "--nets", "lenet", "--repeats", "1",
+                                 "--iterations", "1", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "PyTorch is not installed" in r.output
+    report = json.loads(out.read_text())
+    assert report["peers"] == ["poseidon"]
+    assert report["nets"]["lenet"]["median_ms"]["poseidon"] > 0
+    assert "ratio_vs_torch" not in report["nets"]["lenet"]
+
+
+def test_bench_train_poseidon_side(monkeypatch, tmp_path):
+    from engine.perf import bench_time
+    from poseidon_cli.main import cli
+    monkeypatch.setattr(bench_time, "torch_available", lambda: False)
+    out = tmp_path / "train.json"
+    r = CliRunner().invoke(cli, ["bench", "train", "--workers", "1,2", "--scheme", "hybrid",
+                                 "--iters", "12", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    report = json.loads(out.read_text())
+    rows = {(p["workers"], p["comm"]): p for p in report["poseidon"]}
+    assert set(rows) == {(1, "-"), (2, "hybrid")} and report["ddp"] == []
+    assert rows[(2, "hybrid")]["images_per_s"] > 0 and rows[(2, "hybrid")]["worker_bytes_per_iter"] > 0

@@ -92,13 +92,10 @@ def parse_duration(text: str) -> float:
 
 
 def load_link(path: str | Path) -> Link:
+    from .trace import read_json
+
     p = Path(path)
-    try:
-        d = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise LinkError(f"link file {p} not found") from None
-    except json.JSONDecodeError as e:
-        raise LinkError(f"{p}:{e.lineno}: not JSON ({e.msg})") from None
+    d = read_json(p, "link", LinkError)
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise LinkError(f"{p}: not a {FORMAT} file")
     if d.get("version") != VERSION:

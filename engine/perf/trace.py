@@ -105,12 +105,16 @@ def trace_from_dict(d: Any, where: str = "trace") -> Trace:
     return Trace(str(d.get("net", "")), batch, layers, str(d.get("device", "")), source, extra)
 
 
-def load_trace(path: str | Path) -> Trace:
+def read_json(path: str | Path, what: str, error: type[ValueError]) -> Any:
+    """The parsed JSON of ``path``; ``error`` names the file (and the line) when it cannot."""
     p = Path(path)
     try:
-        d = json.loads(p.read_text())
+        return json.loads(p.read_text())
     except FileNotFoundError:
-        raise TraceError(f"trace file {p} not found") from None
+        raise error(f"{what} file {p} not found") from None
     except json.JSONDecodeError as e:
-        raise TraceError(f"{p}:{e.lineno}: not JSON ({e.msg})") from None
-    return trace_from_dict(d, str(p))
+        raise error(f"{p}:{e.lineno}: not JSON ({e.msg})") from None
+
+
+def load_trace(path: str | Path) -> Trace:
+    return trace_from_dict(read_json(path, "trace", TraceError), str(path))
