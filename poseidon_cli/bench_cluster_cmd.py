@@ -62,7 +62,7 @@ def cluster(solver: str, workers: str, schemes: str, bandwidth: str, compute: st
                    + f"; compute: {compute}" + (f" from {trace_path}" if trace_path else ""),
                    err=True)
         header = (f"{'P':>3} {'scheme':>7} {'iter ms':>9} {'predicted':>9} {'error':>7} "
-                  f"{'img/s':>8} {'speedup':>7} {'pred.':>6} {'MB/node':>8} {'hidden':>6} "
+                  f"{'img/s':>8} {'speedup':>7} {'pred.':>6} {'MB/worker':>9} {'hidden':>6} "
                   f"{'CPU':>5}")
         click.echo(header)
 
@@ -72,7 +72,7 @@ def cluster(solver: str, workers: str, schemes: str, bandwidth: str, compute: st
             click.echo(f"{m.workers:>3} {m.scheme:>7} {m.iteration_s * 1e3:>9.1f} "
                        f"{m.predicted_s * 1e3:>9.1f} {m.error:>+7.1%} {m.images_per_s:>8.1f} "
                        f"{m.speedup:>7.2f} {m.predicted_speedup:>6.2f} "
-                       f"{m.bytes_per_node / 1e6:>8.2f} {m.hidden_fraction:>6.0%} {cpu:>5}{note}")
+                       f"{m.bytes_per_node / 1e6:>9.2f} {m.hidden_fraction:>6.0%} {cpu:>5}{note}")
             sys.stdout.flush()
 
         try:

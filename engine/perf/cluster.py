@@ -56,7 +56,7 @@ class Measurement:
     iteration_s: float          # steady state, divided by the time scale
     predicted_s: float
     images_per_s: float
-    bytes_per_node: float       # network bytes sent + received per iteration by rank 0's node
+    bytes_per_node: float       # network bytes rank 0's worker sent + received per iteration
     hidden_fraction: float
     cpu_utilisation: float
     cpu_bound: bool
