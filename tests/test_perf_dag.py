@@ -72,13 +72,25 @@ def test_communication_not_hidden():
     assert p.images_per_s == pytest.approx(2 / (12 * MS))
 
 
-def test_link_is_one_queue_in_release_order():
-    # The same net on a slower link, 0.003 ms per float: L2 takes 2 x 1000 x 0.003 = 6 ms on
-    # the link (5..11); L0, released at 10, queues behind it: 11..23 (12 ms). The next
-    # iteration starts at 23.
+def test_link_is_one_queue_per_direction_in_release_order():
+    # The same net on a slower link, 0.003 ms per float. L2 (1000 floats), released at 5: its
+    # push leaves 5..8, its sum comes back 8..11. L0 (2000 floats), released at 10: the sending
+    # side is free, push 10..16; the receiving side is free from 11, but L0's sum can only
+    # follow its push (one chunk): 16..22. The next iteration starts at 22. (One shared link
+    # would have made it 23: L0's push would have queued behind L2's sum.)
     info, trace = net(("L0", 1, 4, 2000), ("L1", 1, 1, 0), ("L2", 1, 2, 1000))
     p = predict(info, trace, 2, "ps", link_ms_per_float(0.003), FREE)
-    assert p.iteration_s == pytest.approx(23 * MS)
+    assert p.iteration_s == pytest.approx(22 * MS)
+
+
+def test_many_small_layers_pipeline_across_directions():
+    # Three single-chunk layers of 1000 floats, forward 1 ms and backward 2 ms each, 0.001 ms
+    # per float each way. Backward from 3 releases C at 5, B at 7, A at 9: pushes 5..6, 7..8,
+    # 9..10 and sums 6..7, 8..9, 10..11. All is hidden behind backward but A's round trip:
+    # A's next forward starts at 11.
+    info, trace = net(("A", 1, 2, 1000), ("B", 1, 2, 1000), ("C", 1, 2, 1000))
+    p = predict(info, trace, 2, "ps", link_ms_per_float(0.001), FREE)
+    assert p.iteration_s == pytest.approx(11 * MS)
 
 
 def test_one_worker_is_compute_plus_update():

@@ -11,8 +11,9 @@ link runs at bandwidth / S: the ratio of compute to communication of the traced 
 traced network, slowed down S times so that this machine's few cores are not the bottleneck.
 Times are reported divided by S. The costs that stay real and are not scaled (the solver
 update, SFB's reconstruction, the shard's sums, all on this CPU and shared by 2P processes)
-are measured here and given to the model as its device. A run whose CPU was saturated is not a
-cluster measurement and is marked so.
+are measured here and given to the model as its device, and so are the links' latency and the
+payload rate one TCP stream gets through the shaper (not the nominal rate: headers take ~5%).
+A run whose CPU was saturated is not a cluster measurement and is marked so.
 """
 from __future__ import annotations
 
@@ -164,14 +165,16 @@ def bench_solver(solver: Path, out: Path, iters: int) -> Path:
 
 def measure(solver: Path, workers: int, scheme: str, bits_per_s: float, compute: str,
             trace_path: Path | None, time_scale: float, iters: int, warmup: int,
-            timeout: float = 600.0) -> tuple[float, dict[str, Any], float, float, float]:
-    """One run: (period in scaled seconds, rank 0's stats, CPU utilisation, alpha, seconds)."""
+            timeout: float = 600.0) -> tuple[float, dict[str, Any], float, Link]:
+    """One run: (period in scaled seconds, rank 0's stats, CPU utilisation, the link as
+    measured: its latency and the goodput of one TCP stream)."""
     scale = time_scale if compute == "replay" else 1.0
     with tempfile.TemporaryDirectory(prefix="poseidon-bench-") as d:
         out = Path(d)
         copy = bench_solver(solver, out, warmup + iters)
         with EmulatedCluster(workers, bits_per_s / scale) as cluster, CpuSampler() as cpu:
-            alpha = cluster.measure_latency(50)
+            link = Link(cluster.measure_latency(50), 8.0 / cluster.measure_goodput(),
+                        "emulated link, measured")
             hosts = out / "hosts.txt"
             hosts.write_text("".join(f"{a}:{PORT}\n" for a in cluster.addresses))
             procs = []
@@ -206,8 +209,7 @@ def measure(solver: Path, workers: int, scheme: str, bits_per_s: float, compute:
             raise BenchError(f"P={workers} {scheme}: rank 0 logged no iterations {first}..{last}")
         period = (times[last] - times[first]) / iters
         stats = json.loads((out / "stats.json").read_text()) if workers > 1 else {}
-        return period, stats, cpu.utilisation(times[first], times[last]), alpha, \
-            times[last] - times[first]
+        return period, stats, cpu.utilisation(times[first], times[last]), link
 
 
 def run_bench(solver: Path, workers: list[int], schemes: list[str], bits_per_s: float,
@@ -224,10 +226,8 @@ def run_bench(solver: Path, workers: list[int], schemes: list[str], bits_per_s: 
     base: Measurement | None = None
     for p in sorted(set(workers) | {1}):
         for scheme in (["-"] if p == 1 else schemes):
-            period, stats, cpu, alpha, _ = measure(solver, p, scheme if p > 1 else "ps",
-                                                  bits_per_s, compute, trace_path, time_scale,
-                                                  iters, warmup)
-            link = Link(alpha, 8.0 / (bits_per_s / scale), "emulated, measured alpha")
+            period, stats, cpu, link = measure(solver, p, scheme if p > 1 else "ps", bits_per_s,
+                                               compute, trace_path, time_scale, iters, warmup)
             device = cpu_device(2 * p if p > 1 else 1)
             pred = predict(info, trace.scaled(scale) if scale != 1 else trace, p,
                            scheme if p > 1 else "ps", link, device)

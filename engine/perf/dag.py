@@ -64,7 +64,14 @@ class LayerTiming:
     scheme: str
     bytes_sent: float  # by the busiest node, per iteration
     bytes_received: float
-    comm_s: float      # time on the link
+    up_s: float        # on the node's sending side of the link
+    down_s: float      # on its receiving side
+    #: how long after the sending starts the first bytes of the answer can come back (PS: one
+    #: chunk's push and addition; SFB: at once, every peer sends at the same time)
+    lag_s: float
+    #: how long after the sending ends the last answer can have come back (PS: the last chunk's
+    #: sum; SFB: nothing)
+    tail_s: float
     reduce_s: float    # on the reducer: reconstruction, and the update when not on the device
     update_s: float = 0.0  # the solver update of the layer
 
@@ -114,9 +121,10 @@ def _layer_costs(info: LayerInfo, scheme: str, p: int, link: Link, device: Devic
     if scheme == "sfb":
         k, m, n = info.factors  # type: ignore[misc]
         sent = recv = (p - 1) * k * (m + n) * info.itemsize
-        comm = link.alpha_s + link.beta_s_per_byte * max(sent, recv)
         rebuild = 2.0 * p * k * m * n / device.gemm_flops_per_s
-        return LayerTiming(info.name, scheme, sent, recv, comm, rebuild + on_reducer, update)
+        one_way = link.alpha_s + link.beta_s_per_byte * sent
+        return LayerTiming(info.name, scheme, sent, recv, one_way, one_way, 0.0, 0.0,
+                           rebuild + on_reducer, update)
     sent = [0.0] * p
     recv = [0.0] * p
     adds = [0.0] * p
@@ -131,10 +139,15 @@ def _layer_costs(info: LayerInfo, scheme: str, p: int, link: Link, device: Devic
                 recv[node] += nbytes
     busiest = max(range(p), key=lambda n: (max(sent[n], recv[n]), adds[n]))
     largest = max((b for b, _ in chunks), default=0)
-    # push then sum: two message rounds; the last chunk's push and sum do not overlap
-    comm = (2 * link.alpha_s + link.beta_s_per_byte * (max(sent[busiest], recv[busiest]) + largest)
-            + adds[busiest] / device.add_bytes_per_s / max(len(chunks), 1))
-    return LayerTiming(info.name, scheme, sent[busiest], recv[busiest], comm, on_reducer, update)
+    # a chunk's sum leaves its shard once the P pushes are in and added: the answers trail the
+    # pushes by one chunk's transfer and addition, at the start and at the end
+    chunk = (link.alpha_s + link.beta_s_per_byte * largest
+             + (p - 1) * largest / device.add_bytes_per_s)
+    return LayerTiming(info.name, scheme, sent[busiest], recv[busiest],
+                       link.alpha_s + link.beta_s_per_byte * sent[busiest],
+                       link.alpha_s + link.beta_s_per_byte * recv[busiest], chunk,
+                       link.beta_s_per_byte * largest + (p - 1) * largest / device.add_bytes_per_s,
+                       on_reducer, update)
 
 
 def _times(info: NetInfo, trace: Trace) -> tuple[list[float], list[float]]:
@@ -183,13 +196,15 @@ def predict(info: NetInfo, trace: Trace, workers: int, scheme: str, link: Link,
             if i == 0:
                 starts.append(t)
             t += f
-        link_free = reducer_free = t
+        up_free = down_free = reducer_free = t
         for i in range(len(bwd) - 1, -1, -1):
             t += bwd[i]
             if i in costs:  # released: on the link in release order, then the reducer
                 c = costs[i]
-                link_free = max(link_free, t) + c.comm_s
-                reducer_free = max(reducer_free, link_free) + c.reduce_s
+                up_start = max(up_free, t)
+                up_free = up_start + c.up_s
+                down_free = max(max(down_free, up_start + c.lag_s) + c.down_s, up_free + c.tail_s)
+                reducer_free = max(reducer_free, down_free) + c.reduce_s
                 ready[i] = reducer_free
         if device.update_on_device:  # the updates' kernels take the device's time too
             t += sum(c.update_s for c in costs.values())

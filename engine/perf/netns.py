@@ -157,6 +157,45 @@ class EmulatedCluster:
             server.wait()
 
 
+    def measure_goodput(self, nbytes: int = 8 << 20) -> float:
+        """Bits per second of payload one TCP stream gets from host 0 to host 1: the shaped
+        rate less what TCP/IP headers and the shaper take (the beta the links really have)."""
+        if self.n < 2:
+            return self.bits_per_s
+        port = 29401
+        sink = self.run(1, ["python3", "-c", _SINK.format(port=port)],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            done = subprocess.run(["ip", "netns", "exec", self.namespaces[0], "python3", "-c",
+                                   _SEND.format(addr=self.addresses[1], port=port, n=nbytes)],
+                                  capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                raise ClusterError(f"bandwidth probe failed: {done.stderr.strip()[-300:]}")
+            return nbytes * 8 / float(done.stdout.strip())
+        finally:
+            sink.kill()
+            sink.wait()
+
+
+_SINK = """
+import socket
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", {port})); s.listen(1); c, _ = s.accept()
+while c.recv(1 << 20):
+    pass
+c.sendall(b"!")
+"""
+_SEND = """
+import socket, time
+for _ in range(100):
+    try:
+        c = socket.create_connection(("{addr}", {port}), timeout=30); break
+    except OSError:
+        time.sleep(0.05)
+data = b"x" * {n}
+t = time.perf_counter(); c.sendall(data); c.shutdown(socket.SHUT_WR); c.recv(1)
+print(time.perf_counter() - t)
+"""
 _PONG = """
 import socket
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
