@@ -61,11 +61,11 @@ def copy_weights_into(net: Any, source: PathLike | LayerWeights | caffe_pb2.NetP
     for layer_name, layer in zip(net.layer_names, net.layers):
         targets.setdefault(layer_name, layer)
 
-    copied = []
+    copied, ignored = [], []
     for name, blobs in items:
         layer = targets.get(name)
         if layer is None:
-            log.info("Ignoring source layer %s", name)
+            ignored.append(name)
             continue
         target_blobs = layer.blobs
         if len(target_blobs) != len(blobs):
@@ -88,6 +88,9 @@ def copy_weights_into(net: Any, source: PathLike | LayerWeights | caffe_pb2.NetP
             xp = get_array_module(target.data)
             target.data[...] = xp.asarray(array.reshape(target.shape), dtype=target.data.dtype)
         copied.append(name)
+    # Said only once the copy succeeded, so that a bad file's error stays the one line printed.
+    for name in ignored:
+        log.info("Ignoring source layer %s", name)
     return copied
 
 

@@ -101,7 +101,7 @@ def _best(fn: Any, repeat: int = 5) -> float:
 class CpuSampler:
     """Samples /proc/stat every ``period`` s: (wall time, busy jiffies, total jiffies)."""
 
-    def __init__(self, period: float = 0.2) -> None:
+    def __init__(self, period: float = 0.1) -> None:
         self.samples: list[tuple[float, int, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(period,), daemon=True)
@@ -113,19 +113,26 @@ class CpuSampler:
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join(2)
+        self._sample()
+
+    def _sample(self) -> None:
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = f[3] + (f[4] if len(f) > 4 else 0)
+        self.samples.append((time.time(), sum(f) - idle, sum(f)))
 
     def _run(self, period: float) -> None:
         while not self._stop.is_set():
-            f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-            idle = f[3] + (f[4] if len(f) > 4 else 0)
-            self.samples.append((time.time(), sum(f) - idle, sum(f)))
+            self._sample()
             self._stop.wait(period)
 
     def utilisation(self, start: float, end: float) -> float:
-        inside = [s for s in self.samples if start <= s[0] <= end]
-        if len(inside) < 2:
+        """Busy share of all CPUs from the last sample at or before ``start`` to the first at
+        or after ``end``: a window shorter than the period is still bracketed by two samples."""
+        before = [s for s in self.samples if s[0] <= start] or self.samples[:1]
+        after = [s for s in self.samples if s[0] >= end] or self.samples[-1:]
+        if not before or not after:
             return float("nan")
-        (_, b0, t0), (_, b1, t1) = inside[0], inside[-1]
+        (_, b0, t0), (_, b1, t1) = before[-1], after[0]
         return (b1 - b0) / (t1 - t0) if t1 > t0 else float("nan")
 
 
