@@ -1,6 +1,7 @@
 """Caffe's `time` benchmark: average forward, backward and per-layer times of a net."""
 from __future__ import annotations
 
+import datetime
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,7 +10,7 @@ import numpy as np
 
 from . import backend
 from .net import Net
-from .perf.trace import LayerTime  # a timing report is a layer-time trace
+from .perf.trace import FORMAT, VERSION, LayerTime  # a timing report is a layer-time trace
 
 
 @dataclass
@@ -19,13 +20,19 @@ class TimingReport:
     forward_ms: float
     backward_ms: float
     layers: list[LayerTime] = field(default_factory=list)
+    batch: int | None = None
+    device: str = ""
 
     @property
     def total_ms(self) -> float:
         return self.forward_ms + self.backward_ms
 
     def as_dict(self) -> dict[str, Any]:
-        return {"net": self.net, "iterations": self.iterations,
+        return {"format": FORMAT, "version": VERSION, "net": self.net, "batch": self.batch,
+                "device": self.device,
+                "source": f"poseidon time --json, {datetime.date.today()}, "
+                          f"{self.iterations} iterations",
+                "iterations": self.iterations,
                 "forward_ms": self.forward_ms, "backward_ms": self.backward_ms,
                 "forward_backward_ms": self.total_ms,
                 "layers": [vars(l) for l in self.layers]}
@@ -64,4 +71,7 @@ def time_net(net: Net, iterations: int = 50) -> TimingReport:
     scale = 1000.0 / iterations
     layers = [LayerTime(name, layer.type, f * scale, b * scale)
               for name, layer, f, b in zip(net.layer_names, net.layers, fwd, bwd)]
-    return TimingReport(net.name, iterations, sum(fwd) * scale, sum(bwd) * scale, layers)
+    first = net.top_vecs[0] if net.top_vecs and net.top_vecs[0] else None
+    batch = int(first[0].shape[0]) if first and first[0].shape else None
+    return TimingReport(net.name, iterations, sum(fwd) * scale, sum(bwd) * scale, layers,
+                        batch, backend.device_name())

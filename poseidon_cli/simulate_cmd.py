@@ -118,14 +118,14 @@ def simulate(model: str, trace_path: str | None, estimate: bool, batch: int | No
                                     f"{bandwidth}, {latency} per message"))
         info = net_info(model, batch, parse_shape(input_shape))
         trace = trace_from_flops(info, TITAN_X) if estimate else load_trace(trace_path)
-        if trace.batch is not None and trace.batch != info.batch:
-            raise ValueError(f"{trace_path}: traced at batch {trace.batch}, but the net trains "
-                             f"with batch {info.batch} (give --batch {trace.batch}?)")
         missing = missing_layers(info, trace)
         if missing:
             raise ValueError(f"{trace_path}: no times for layer(s) {', '.join(missing[:5])}"
                              f"{' ...' if len(missing) > 5 else ''} of {model}: a trace of "
                              "another net?")
+        if trace.batch is not None and trace.batch != info.batch:
+            raise ValueError(f"{trace_path}: traced at batch {trace.batch}, but the net trains "
+                             f"with batch {info.batch} (give --batch {trace.batch}?)")
         if save_trace:
             trace.save(save_trace)
         predictions = sweep(info, trace, counts, wanted, link, chunk_bytes=chunk_bytes)

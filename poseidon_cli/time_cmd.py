@@ -16,19 +16,42 @@ from .main import fail, user_errors
               help="Timed forward+backward passes (after one warm-up pass).")
 @click.option("--phase", default="TRAIN", type=click.Choice(["TRAIN", "TEST"]), show_default=True)
 @click.option("--gpu", type=int, default=None, help="Run on this GPU (needs CuPy).")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def time_cmd(model: str, iterations: int, phase: str, gpu: int | None, as_json: bool) -> None:
+@click.option("--synthetic", is_flag=True,
+              help="Replace the data layers by Input layers of the shapes they would give "
+                   "(zeros): time a train_val net without its database.")
+@click.option("--batch", type=int, default=None,
+              help="With --synthetic: the batch size (default: the data layers').")
+@click.option("--input-shape", default=None,
+              help="With --synthetic: C,H,W of a data layer whose shape is unknown.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the report as JSON (a layer trace `poseidon simulate --trace` reads).")
+def time_cmd(model: str, iterations: int, phase: str, gpu: int | None, synthetic: bool,
+             batch: int | None, input_shape: str | None, as_json: bool) -> None:
     """Average forward, backward and per-layer times, as `caffe time` prints them."""
     from engine import backend
     from engine.timing import time_net
 
     if iterations < 1:
         fail(f"--iterations must be positive, got {iterations}")
+    if (batch is not None or input_shape) and not synthetic:
+        fail("--batch and --input-shape shape the inputs of --synthetic; add --synthetic")
+    if batch is not None and batch < 1:
+        fail(f"--batch must be positive, got {batch}")
     with user_errors():
         if gpu is not None:
             backend.use_gpu(gpu)
         from engine.net import Net
-        net = Net(model, phase=phase)
+        if synthetic:
+            from pathlib import Path
+            from engine.perf.netinfo import read_train_net, with_inputs
+            from .simulate_cmd import parse_shape
+            if phase != "TRAIN":
+                fail("--synthetic times the TRAIN phase's net; drop --phase TEST")
+            param, _ = with_inputs(read_train_net(model), batch, input_shape=parse_shape(input_shape),
+                                   where=Path(model).parent)
+            net = Net(param, phase="TRAIN")
+        else:
+            net = Net(model, phase=phase)
         report = time_net(net, iterations)
     if as_json:
         click.echo(json.dumps(report.as_dict(), indent=1))

@@ -50,6 +50,38 @@ def test_bad_input_is_one_line(args, needle):
     assert len(lines) == 1 and lines[0].startswith("poseidon: error:") and needle in lines[0], lines
 
 
+def test_a_train_net_timed_on_synthetic_inputs_is_a_trace_with_its_batch(tmp_path):
+    """`time --synthetic` times a train_val net without its LMDB (crop_size gives the shape):
+    the report is a poseidon-layer-trace with the batch asked for, loss backward included."""
+    net = "models/digits_lenet/train_val.prototxt"
+    timed = run("time", "--model", net, "--synthetic", "--batch", "4", "--iterations", "2",
+                "--json")
+    assert timed.returncode == 0, timed.stderr
+    trace = json.loads(timed.stdout)
+    assert trace["format"] == "poseidon-layer-trace" and trace["batch"] == 4
+    assert trace["device"].startswith("CPU") and "2 iterations" in trace["source"]
+    layers = {l["name"]: l for l in trace["layers"]}
+    assert layers["loss"]["backward_ms"] > 0 and layers["ip1"]["backward_ms"] > 0
+    (tmp_path / "t.json").write_text(timed.stdout)
+    done = run("simulate", "--model", net, "--trace", str(tmp_path / "t.json"), "--batch", "4",
+               "--workers", "2", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["batch"] == 4
+    wrong = run("simulate", "--model", net, "--trace", str(tmp_path / "t.json"), "--workers", "2")
+    assert wrong.returncode == 1 and "traced at batch 4" in wrong.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--batch", "4"], "add --synthetic"),
+    (["--synthetic", "--batch", "0"], "--batch must be positive"),
+    (["--synthetic", "--phase", "TEST"], "drop --phase TEST"),
+])
+def test_time_synthetic_bad_input_is_one_line(args, needle):
+    done = run("time", "--model", "models/digits_lenet/train_val.prototxt", *args)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1 and needle in lines[0], lines
+
+
 def test_a_trace_of_another_net_is_named(tmp_path):
     lenet = run("time", "--model", "models/digits_lenet/deploy.prototxt", "--iterations", "1",
                 "--json")

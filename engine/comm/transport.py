@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import zmq
 
+from engine import backend
 from engine.pb import poseidon_pb2 as pb
 
 from .errors import CommError
@@ -101,6 +102,7 @@ class Endpoint:
         #: True when the error came in an ABORT (some other process reports it first-hand)
         self.error_from_peer = False
         self._exit_timer: threading.Timer | None = None
+        backend.tune_allocator()  # before the context's I/O thread allocates messages
         self._ctx = zmq.Context()
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()
