@@ -80,6 +80,25 @@ def set_enabled(enabled: bool) -> None:
     _enabled = enabled
 
 
+class _FileHandler(logging.Handler):
+    """Every record of this process to a file, whether or not the console is quiet."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self._file = open(path, "a", encoding="utf-8", buffering=1)  # line-buffered
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._file.write(self.format(record) + "\n")
+
+
+def add_file(path: str) -> None:
+    """Also write every log line, INFO and up, to ``path`` (appended): a rank's own log."""
+    handler = _FileHandler(path)
+    handler.setFormatter(GlogFormatter())
+    for name in ROOTS:
+        logging.getLogger(name).addHandler(handler)
+
+
 def set_printer(printer: Callable[[str], None] | None) -> None:
     """Route lines through ``printer`` (a progress bar's console) instead of the stream."""
     global _printer

@@ -71,7 +71,6 @@ def _find(name: str) -> click.Command | None:
 @click.version_option(package_name="poseidon", prog_name="poseidon")
 def cli() -> None:
     """Poseidon: train Caffe models on many machines."""
-    default_blas_threads()
 
 
 def default_blas_threads() -> None:
@@ -86,6 +85,11 @@ def default_blas_threads() -> None:
                                           "MKL_NUM_THREADS")):
         for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[var] = "1"
+
+
+# At import, not in the group's callback: click imports a command's module (which may import
+# NumPy) before that callback runs.
+default_blas_threads()
 
 
 @contextlib.contextmanager

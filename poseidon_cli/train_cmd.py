@@ -10,8 +10,7 @@ import click
 
 from .main import fail, user_errors
 
-#: Caffe's -sigint_effect / -sighup_effect values
-SIGNAL_ACTIONS = ("stop", "snapshot", "none")
+from .launch.config import SIGNAL_ACTIONS  # Caffe's -sigint_effect / -sighup_effect values
 
 
 @contextlib.contextmanager
@@ -104,13 +103,17 @@ def solver_gpu(solver: str) -> list[int] | None:
               "poseidon-layer-trace or `poseidon time --json`); all else is real.")
 @click.option("--time-scale", type=float, default=1.0, show_default=True,
               help="With --replay: multiply every traced time by this.")
+@click.option("--log-dir", default=None, type=click.Path(file_okay=False),
+              help="With --hosts or -n: each worker also writes its whole log (every rank's, "
+              "not only rank 0's) to DIR/rank<N>.log.")
 @click.option("--timeline", default=None, type=click.Path(dir_okay=False),
               help="Write Chrome trace events (Perfetto): layers, sends, sums, updates, per "
               "process and thread, merged across the ranks of this machine.")
 def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | None,
           hosts: str | None, nproc: int | None, rank: int | None, comm: str, launch: str, stats: str | None,
           timeout: float, chunk_bytes: int, sigint_effect: str, sighup_effect: str,
-          replay: str | None, time_scale: float, timeline: str | None) -> None:
+          replay: str | None, time_scale: float, log_dir: str | None,
+          timeline: str | None) -> None:
     """Train a net from a Caffe solver, with Caffe's log lines and snapshots."""
     if weights and snapshot:
         fail("give --weights (fine-tune) or --snapshot (resume), not both")
@@ -129,14 +132,19 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
     if nproc is not None and (hosts is not None or rank is not None):
         fail("-n starts local workers on free ports: give -n or --hosts/--rank, not both")
     if hosts is not None or nproc is not None:
-        from engine.comm.launcher import run_from_cli
+        from .launch import launcher
+        from .launch.config import JobConfig
         with user_errors(), local_hosts(nproc) as made:
-            run_from_cli(solver=solver, weights=weight_files, snapshot=snapshot,
-                         gpu=gpus,
-                         hosts=made or hosts, rank=rank, comm=comm, launch=launch, stats=stats,
-                         timeout=timeout, chunk_bytes=chunk_bytes, signal_effects=effects,
-                         replay=replay, time_scale=time_scale, timeline=timeline)
+            config = JobConfig(solver=solver, hosts=made or hosts, comm=comm, timeout=timeout,
+                               chunk_bytes=chunk_bytes, weights=tuple(weight_files),
+                               snapshot=snapshot, gpus=tuple(gpus) if gpus is not None else None,
+                               stats=stats, signal_effects=effects, replay=replay,
+                               time_scale=time_scale, timeline=timeline, log_dir=log_dir)
+            launcher.run(config, rank, launch)
         return
+    if log_dir is not None:
+        fail("--log-dir names the workers' logs of a distributed run: give --hosts or -n, or "
+             "redirect this process's stderr")
 
     from engine import backend, glog
     from engine.solver import Solver

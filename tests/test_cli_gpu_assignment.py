@@ -8,8 +8,9 @@ import io
 
 import pytest
 
-from engine.comm import launcher
 from engine.comm.hosts import parse_hosts_text
+from poseidon_cli.launch import launcher
+from poseidon_cli.launch.config import JobConfig
 from poseidon_cli.train_cmd import parse_gpus
 from tests.test_cli_caffe_habits import run
 
@@ -17,8 +18,8 @@ from tests.test_cli_caffe_habits import run
 def test_gpus_are_assigned_round_robin_per_machine():
     entries = parse_hosts_text("127.0.0.1:29000\n127.0.0.1:29002\n127.0.0.1:29004\n"
                                "192.0.2.7:29000\n192.0.2.7:29002\n")
-    assert launcher.assign_gpus(entries, [0, 1]) == {0: 0, 1: 1, 2: 0, 3: 0, 4: 1}
-    assert launcher.assign_gpus(entries, [0]) == {r: 0 for r in range(5)}
+    assert launcher.assign_gpus(entries, (0, 1)) == {0: 0, 1: 1, 2: 0, 3: 0, 4: 1}
+    assert launcher.assign_gpus(entries, (0,)) == {r: 0 for r in range(5)}
     assert launcher.assign_gpus(entries, None) == {r: None for r in range(5)}
 
 
@@ -50,9 +51,9 @@ def test_gpu_0_with_hosts_reaches_every_local_worker(tmp_path, monkeypatch):
     hosts.write_text("127.0.0.1:29000\n127.0.0.1:29002\n127.0.0.1:29004\n")
     monkeypatch.setattr(launcher.subprocess, "Popen", FakeWorker)
     monkeypatch.setattr(launcher, "_signal_group", lambda p, sig: None)
-    for gpu, want in (([0], ["0", "0", "0"]), ([0, 1], ["0", "1", "0"])):
+    for gpu, want in (((0,), ["0", "0", "0"]), ((0, 1), ["0", "1", "0"])):
         FakeWorker.commands = []
-        launcher.run_from_cli(solver="s.prototxt", hosts=str(hosts), gpu=gpu)
+        launcher.run(JobConfig("s.prototxt", str(hosts), gpus=gpu))
         got = [cmd[cmd.index("--gpu") + 1] for cmd in FakeWorker.commands]
         ranks = [cmd[cmd.index("--rank") + 1] for cmd in FakeWorker.commands]
         assert (ranks, got) == (["0", "1", "2"], want)

@@ -19,9 +19,15 @@ def test_two_local_workers_equal_one_with_twice_the_batch(digits_db, tmp_path): 
     done = poseidon("train", "-solver", str(ref))
     assert done.returncode == 0, done.stderr[-2000:]
     dist = write_run(tmp_path / "n2", digits_db, TOTAL_BATCH // 2, "n2", iters=ITERS)
-    stats = tmp_path / "stats.json"
-    done = poseidon("train", "-solver", str(dist), "-n", "2", "--stats", str(stats))
+    stats, logs = tmp_path / "stats.json", tmp_path / "logs"
+    done = poseidon("train", "-solver", str(dist), "-n", "2", "--stats", str(stats),
+                    "--log-dir", str(logs))
     assert done.returncode == 0, done.stderr[-2000:]
+    # --log-dir: each rank's whole log, rank 1's too, though its console stays quiet
+    for rank in (0, 1):
+        text = (logs / f"rank{rank}.log").read_text()
+        assert "Solving CommNet" in text and "Optimization Done." in text, text[-500:]
+    assert "Snapshotting solver state" in (logs / "rank0.log").read_text()
     s = json.loads(stats.read_text())
     assert s["world_size"] == 2 and s["replicas_identical"] is True
     assert ("The losses and outputs below are rank 0's, over its 16 of the 32 images of each "
@@ -45,6 +51,13 @@ def test_two_jobs_at_once_do_not_collide(digits_db, tmp_path):  # noqa: F811
     a = weights(tmp_path / "a" / f"a_iter_{ITERS}.caffemodel")
     b = weights(tmp_path / "b" / f"b_iter_{ITERS}.caffemodel")
     assert all(np.array_equal(a[k], b[k]) for k in a)  # same job twice: the same weights
+
+
+def test_log_dir_without_workers_is_one_clear_error(tmp_path):
+    solver = tmp_path / "s.prototxt"
+    solver.write_text('net: "n.prototxt"\n')
+    done = poseidon("train", "-solver", str(solver), "--log-dir", str(tmp_path / "logs"))
+    assert done.returncode == 1 and done.stderr.startswith("poseidon: error: --log-dir names")
 
 
 def test_n_and_hosts_together_is_one_clear_error(tmp_path):

@@ -10,8 +10,9 @@ import pytest
 from engine.comm.bind import describe_net, ps_params
 from engine.comm.errors import CommError
 from engine.comm.hosts import parse_hosts_text
-from engine.comm.launcher import rank_from_env, run_from_cli, ssh_command, supervise, worker_command
 from engine.comm.planner import plan_layers
+from poseidon_cli.launch.config import JobConfig
+from poseidon_cli.launch.launcher import rank_from_env, run, ssh_command, supervise, worker_command
 
 
 def test_rank_from_the_environment():
@@ -23,12 +24,14 @@ def test_rank_from_the_environment():
         rank_from_env({"RANK": "x"})
 
 
-def test_worker_and_ssh_commands():
-    cmd = worker_command(2, "s.prototxt", "h.txt", "sfb", 30.0, 4 << 20, ["a.caffemodel", "b.caffemodel"],
-                         None, None, "stats.json")
-    assert cmd[1:] == ["-m", "poseidon_cli.main", "train", "--solver", "s.prototxt", "--hosts", "h.txt",
-                       "--rank", "2", "--comm", "sfb", "--timeout", "30",
-                       "--weights", "a.caffemodel,b.caffemodel"]  # --stats only on rank 0
+def test_a_worker_gets_the_jobs_configuration_as_typed_json():
+    config = JobConfig("s.prototxt", "h.txt", comm="sfb", weights=("a.caffemodel", "b.caffemodel"),
+                       gpus=(0, 1), stats="stats.json", signal_effects={"SIGINT": "snapshot"},
+                       log_dir="logs")
+    cmd = worker_command(config, 2, 1)
+    assert cmd[1:7] == ["-m", "poseidon_cli.launch.worker", "--rank", "2", "--gpu", "1"]
+    assert cmd[7] == "--config" and JobConfig.from_json(cmd[8]) == config
+    assert "--gpu" not in worker_command(config, 0, None)
     [entry] = parse_hosts_text("10.1.2.3:7000")
     ssh = ssh_command(entry, ["python", "-m", "x", "--solver", "my solver.prototxt"])
     assert ssh[:5] == ["ssh", "-o", "BatchMode=yes", "-o", "ServerAliveInterval=5"]
@@ -48,13 +51,29 @@ def test_supervise_names_the_failing_process_and_stops_the_rest():
         ok.wait()
 
 
-def test_run_from_cli_rejects_what_it_cannot_do(tmp_path):
+def test_run_rejects_what_it_cannot_do(tmp_path):
     hosts = tmp_path / "h"
     hosts.write_text("127.0.0.1:23000\n")
     with pytest.raises(CommError, match="--rank 3 out of range"):
-        run_from_cli("s", str(hosts), rank=3)
+        run(JobConfig("s", str(hosts)), rank=3)
     with pytest.raises(CommError, match="cannot read hosts file"):
-        run_from_cli("s", str(tmp_path / "missing"), rank=0)
+        run(JobConfig("s", str(tmp_path / "missing")), rank=0)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("[]", "not a JSON object"),
+    ("{", "not JSON"),
+    ('{"solver": "s"}', "no 'hosts'"),
+    ('{"solver": "s", "hosts": "h", "gpu": 1}', "unknown field(s) gpu"),
+    ('{"solver": "s", "hosts": "h", "timeout": "30"}', "'timeout' has the wrong type"),
+    ('{"solver": "s", "hosts": "h", "gpus": [-1]}', "'gpus' has the wrong type"),
+    ('{"solver": "s", "hosts": "h", "comm": "ring"}', "--comm must be one of"),
+    ('{"solver": "s", "hosts": "h", "signal_effects": {"SIGINT": "explode"}}', "SIGINT='explode'"),
+])
+def test_a_bad_configuration_is_named(text, needle):
+    with pytest.raises(CommError) as e:
+        JobConfig.from_json(text)
+    assert needle in str(e.value)
 
 
 NET = """name: "bind"

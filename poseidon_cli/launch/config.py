@@ -1,0 +1,98 @@
+"""One distributed job's settings, handed to each worker process as JSON.
+
+The launcher starts a worker with ``--rank``, its GPU and this object, not with a re-built
+`poseidon train` argv parsed a second time; a worker started by hand (SLURM, mpirun) builds the
+same object from its own command line. Reading it checks every field's name and type.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.comm.errors import CommError
+from engine.comm.ps import DEFAULT_CHUNK_BYTES
+
+SCHEMES = ("ps", "sfb", "hybrid")
+SIGNAL_ACTIONS = ("stop", "snapshot", "none")
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    solver: str
+    hosts: str
+    comm: str = "hybrid"
+    timeout: float = 30.0
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    weights: tuple[str, ...] = ()
+    snapshot: str | None = None
+    #: the GPUs each machine's workers take round robin (None: the CPU)
+    gpus: tuple[int, ...] | None = None
+    stats: str | None = None
+    #: SIGINT / SIGTERM / SIGHUP -> stop | snapshot | none (Caffe's -sigint_effect...)
+    signal_effects: dict[str, str] = field(default_factory=dict)
+    replay: str | None = None
+    time_scale: float = 1.0
+    timeline: str | None = None
+    #: each worker also writes its whole log, whatever its rank, to <log_dir>/rank<N>.log
+    log_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.comm not in SCHEMES:
+            raise CommError(f"--comm must be one of {', '.join(SCHEMES)}, got {self.comm!r}")
+        if not self.timeout > 0:
+            raise CommError(f"--timeout must be positive, got {self.timeout:g}")
+        if self.chunk_bytes < 1:
+            raise CommError(f"--chunk-bytes must be positive, got {self.chunk_bytes}")
+        for sig, action in self.signal_effects.items():
+            if sig not in ("SIGINT", "SIGTERM", "SIGHUP") or action not in SIGNAL_ACTIONS:
+                raise CommError(f"signal effect {sig}={action!r}: expected SIGINT, SIGTERM or "
+                                f"SIGHUP = {' | '.join(SIGNAL_ACTIONS)}")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "JobConfig":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CommError(f"job configuration: not JSON ({e.msg})") from None
+        if not isinstance(d, dict):
+            raise CommError("job configuration: not a JSON object")
+        kinds = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - set(kinds))
+        if unknown:
+            raise CommError(f"job configuration: unknown field(s) {', '.join(unknown)}")
+        for name in ("solver", "hosts"):
+            if name not in d:
+                raise CommError(f"job configuration: no {name!r}")
+        for name, value in d.items():
+            _check(name, value)
+        d["weights"] = tuple(d.get("weights", ()))
+        if d.get("gpus") is not None:
+            d["gpus"] = tuple(d["gpus"])
+        return cls(**d)
+
+
+_STR = ("solver", "hosts", "comm")
+_OPT_STR = ("snapshot", "stats", "replay", "timeline", "log_dir")
+
+
+def _check(name: str, value: Any) -> None:
+    ok = {
+        "timeout": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "time_scale": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "chunk_bytes": isinstance(value, int) and not isinstance(value, bool),
+        "weights": isinstance(value, list) and all(isinstance(v, str) for v in value),
+        "gpus": value is None or (isinstance(value, list) and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)),
+        "signal_effects": isinstance(value, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in value.items()),
+    }.get(name)
+    if ok is None:
+        ok = isinstance(value, str) if name in _STR else (
+            value is None or isinstance(value, str)) if name in _OPT_STR else True
+    if not ok:
+        raise CommError(f"job configuration: field {name!r} has the wrong type: {value!r}")

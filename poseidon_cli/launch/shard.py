@@ -1,0 +1,67 @@
+"""One node's parameter-server shard process: ``python -m poseidon_cli.launch.shard``.
+
+Its worker starts it and it lives and ends with that worker: it ignores SIGINT, SIGTERM and
+SIGHUP (the worker acts on those, and needs its shard to snapshot or stop at the agreed
+iteration), and ends when its peers say BYE or go silent.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from engine.comm.errors import CommError
+
+#: after a fatal error, a process still busy computing is stopped this many seconds later
+EXIT_GRACE_S = 2.0
+
+
+def shard_command(index: int, hosts: str, timeout: float, timeline: str | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "poseidon_cli.launch.shard", "--hosts", hosts,
+           "--index", str(index), "--timeout", f"{timeout:g}"]
+    return cmd + (["--timeline", timeline] if timeline else [])
+
+
+def run_shard(index: int, hosts: str, timeout: float, timeline: str | None = None) -> int:
+    from engine.comm.hosts import parse_hosts
+    from engine.comm.ps import ShardServer
+
+    entries = parse_hosts(hosts)
+    if timeline is not None:
+        from engine.perf import timeline as tl
+        tl.start(timeline, f"shard {index}", f"shard{index}")
+    srv = ShardServer(index, entries, timeout=timeout, exit_grace=EXIT_GRACE_S)
+    try:
+        srv.start()
+        srv.serve()
+    except CommError as e:
+        srv.ep.disarm()
+        if not srv.ep.error_from_peer:  # its worker shares this stderr and reports relayed ones
+            print(f"poseidon: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        srv.close()
+        if timeline is not None:
+            tl.current.save_part()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m poseidon_cli.launch.shard")
+    ap.add_argument("--hosts", required=True)
+    ap.add_argument("--index", type=int, required=True)
+    ap.add_argument("--timeout", type=float, default=30.0)
+    ap.add_argument("--timeline", default=None)
+    args = ap.parse_args(argv)
+    for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None:
+            signal.signal(sig, signal.SIG_IGN)
+    try:
+        return run_shard(args.index, args.hosts, args.timeout, args.timeline)
+    except CommError as e:
+        print(f"poseidon: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

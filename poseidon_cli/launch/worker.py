@@ -1,0 +1,143 @@
+"""One worker process of a distributed run.
+
+It starts its node's PS shard server as a child process, builds the Solver with
+``RunContext(rank, P)``, meets every peer at the start-up barrier, prints the plan (rank 0),
+trains with the DWBP syncer attached, and finally says BYE. The launcher starts it as
+``python -m poseidon_cli.launch.worker --rank N [--gpu G] --config JSON``; a worker started by
+hand (`poseidon train ... --rank N`) runs ``run_worker`` in the CLI's process.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+# first: importing the CLI's main sets one BLAS thread before NumPy loads (a worker started
+# over ssh does not inherit the launcher's environment)
+from poseidon_cli.main import user_errors  # isort: skip
+
+from engine.comm.errors import CommError
+from engine.comm.hosts import HostEntry, is_local, local_addresses
+
+from .config import JobConfig
+from .relay import ErrorRelay
+from .shard import EXIT_GRACE_S, shard_command
+
+
+def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int | None) -> None:
+    """Train as worker ``rank`` of ``entries`` on ``gpu`` (None: the CPU)."""
+    from engine import backend, glog
+    from engine.comm.bind import describe_net, ps_params
+    from engine.comm.planner import plan_layers, plan_table
+    from engine.comm.ps import make_layout
+    from engine.comm.stats import CommStats
+    from engine.comm.syncer import Syncer, open_worker
+    from engine.context import RunContext
+    from engine.solver import Solver
+
+    if config.log_dir is not None:
+        Path(config.log_dir).mkdir(parents=True, exist_ok=True)
+        glog.add_file(str(Path(config.log_dir) / f"rank{rank}.log"))
+    world = len(entries)
+    if gpu is not None:
+        backend.use_gpu(gpu)
+    context = RunContext(rank=rank, world_size=world)
+    if config.replay is not None:
+        from engine.perf.replay import make_solver
+        solver = make_solver(config.solver, config.replay, config.time_scale, context=context,
+                             is_root=rank == 0)
+    else:
+        solver = Solver(config.solver, context=context, is_root=rank == 0)
+    solver.signal_effects.update(config.signal_effects)
+    for w in config.weights:
+        solver.load_weights(w)
+    slots, infos = describe_net(solver.net)
+    try:
+        plans = plan_layers(infos, world, comm=config.comm,
+                            allow_sfb=solver.param.iter_size == 1)
+    except ValueError:
+        solver.close()
+        raise
+    schemes = {p.info.layer: p.scheme for p in plans}
+    layout = make_layout(ps_params(slots, schemes), world, config.chunk_bytes)
+    if rank == 0:
+        glog.info(plan_table(plans, world))
+        total = solver.images_per_iter()  # the data layers stride over every rank's share
+        glog.info(f"The losses and outputs below are rank 0's, over its {total // world} of the "
+                  f"{total} images of each iteration")
+    stats = CommStats()
+    stats.extra["plan"] = [{"layer": p.info.name, "shapes": p.info.shapes, "scheme": p.scheme,
+                            "bytes_per_node": p.bytes_per_node, "ps_bytes": p.ps_bytes,
+                            "sfb_bytes": p.sfb_bytes, "ring_bytes": p.ring_bytes} for p in plans]
+    stats.extra.update(rank=rank, world_size=world, comm=config.comm)
+    if config.timeline is not None:
+        from engine.perf import timeline as tl
+        tl.start(config.timeline, f"worker {rank}", f"worker{rank}")
+    shard = subprocess.Popen(shard_command(rank, config.hosts, config.timeout, config.timeline),
+                             stderr=subprocess.PIPE)
+    shard_errors: list[str] = []
+    ep = None
+
+    def shard_failed(reason: str) -> None:  # e.g. its port is taken: stop now, not at timeout
+        shard_errors.append(reason)
+        if ep is not None:
+            ep.fatal(reason)
+
+    relay = ErrorRelay(on_error=shard_failed)
+    relay.watch(shard)
+    try:
+        ep = open_worker(rank, entries, timeout=config.timeout, stats=stats,
+                         exit_grace=EXIT_GRACE_S,
+                         snapshot_hint=lambda: str(solver.last_snapshot or "none"))
+        if shard_errors:
+            ep.fatal(shard_errors[0])
+        display = solver.param.display
+
+        def report(rnd: int) -> None:
+            if rank == 0 and display and (rnd + 1) % display == 0:
+                for line in stats.format_lines():
+                    glog.info(line)
+
+        solver.attach_sync(Syncer(ep, slots, schemes, layout, solver.update_layer,
+                                  on_round_done=report))
+        solver.solve(resume_file=config.snapshot)
+        solver.close()  # the last updates, the replica check, BYE; then the shard ends
+        shard.wait(timeout=config.timeout)
+        if shard.returncode:
+            raise CommError(f"shard {rank} ({entries[rank].host}:{entries[rank].shard_port}) "
+                            f"exited with code {shard.returncode}")
+    finally:
+        solver.close()  # on failure: stop the comm and prefetch threads so the process can exit
+        if config.stats is not None and rank == 0:
+            stats.write_json(config.stats)
+        if shard.poll() is None:
+            shard.kill()  # it ignores the polite signals (see shard.py); it holds nothing to save
+            shard.wait()
+        if config.timeline is not None:
+            tl.current.save_part()
+            if rank == 0:  # the worker and shard of each entry on this machine
+                here = local_addresses()
+                tl.merge(config.timeline, expected=2 * sum(is_local(e, here) for e in entries))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m poseidon_cli.launch.worker")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--gpu", type=int, default=None)
+    ap.add_argument("--config", required=True, help="the job's JobConfig as JSON")
+    args = ap.parse_args(argv)
+    from engine.comm.hosts import parse_hosts
+
+    with user_errors():
+        config = JobConfig.from_json(args.config)
+        entries = parse_hosts(config.hosts)
+        if not 0 <= args.rank < len(entries):
+            raise CommError(f"--rank {args.rank} out of range: {config.hosts} lists "
+                            f"{len(entries)} hosts")
+        run_worker(config, entries, args.rank, args.gpu)
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
