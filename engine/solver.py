@@ -10,14 +10,17 @@ numbers and the log (Caffe's tools parse the log). Two things go beyond Caffe:
   ``sync.wait(l)`` before layer ``l`` runs (wait-free backpropagation, DESIGN.md).
 - **Exact resume.** The solverstate records the train data layers' stream positions
   (SolverState.data_position, a Poseidon field Caffe ignores); a Caffe solverstate, which has
-  none, resumes where Caffe's uninterrupted run would be: iter * batch * iter_size.
+  none, resumes where Caffe's uninterrupted run would be: iter * batch * iter_size
+  (engine/snapshots.py).
+
+What is not the loop's job stays outside it, as in Caffe's caffe.cpp: signals and the
+terminal's progress bar belong to the CLI, which asks for snapshots and stops through
+``request`` and follows the run through ``add_callback``; only the caller decides what a
+rank logs.
 """
 from __future__ import annotations
 
 import os
-import signal
-import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +28,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from . import backend, glog
+from . import backend, glog, snapshots
 from .context import RunContext
 from .pb import caffe_pb2
 from .perf import timeline
@@ -33,10 +36,6 @@ from .solvers import SolverError, check_lr_policy, clip_scale, learning_rate, ma
     normalize, regularize, solver_type
 
 f32 = np.float32
-
-
-#: Caffe's defaults (-sigint_effect stop, -sighup_effect snapshot), and SIGTERM as SIGINT
-SIGNAL_EFFECTS = {"SIGINT": "stop", "SIGHUP": "snapshot", "SIGTERM": "stop"}
 
 
 class GradientSync(Protocol):
@@ -136,7 +135,6 @@ class Solver:
         self.context = RunContext(context.rank, context.world_size, base_dirs)
         self.param = param
         self.is_root = is_root
-        glog.set_enabled(is_root)
         self._check_param()
         self._check_snapshot_prefix()
         self.type = solver_type(param)
@@ -171,11 +169,8 @@ class Solver:
         self._requests: list[str] = []
         #: the newest snapshot of this run (written, or resumed from); None before any
         self.last_snapshot: Path | None = None
-        #: what each signal asks for: 'stop' (snapshot, then stop), 'snapshot' or 'none'.
-        #: SIGTERM is what SLURM and Kubernetes send before they kill.
-        self.signal_effects = dict(SIGNAL_EFFECTS)
         self._early_exit = False
-        self._progress: Any = None
+        self._callbacks: list[Any] = []
         for w in param.weights:
             self.load_weights(self._resolve(w))
 
@@ -201,7 +196,7 @@ class Solver:
         p = self.param
         if not self.is_root or not (p.snapshot or p.snapshot_after_train):
             return
-        folder = Path(os.path.dirname(self._snapshot_base()) or ".")
+        folder = Path(os.path.dirname(snapshots.snapshot_base(self)) or ".")
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             raise SolverError(f"solver {self.source}: cannot write snapshots to prefix "
                               f"'{p.snapshot_prefix}': folder {folder} does not exist or is not "
@@ -358,7 +353,8 @@ class Solver:
         for i in self._layer_params.get(layer_index, ()):
             self.net.learnable_params[i].diff[...] = 0
 
-    def _wait_all(self) -> None:
+    def wait_all(self) -> None:
+        """Wait for every layer's update in flight (none without a sync)."""
         if self._sync is not None:
             self._sync.wait_all()
 
@@ -421,7 +417,7 @@ class Solver:
             if p.test_interval and self.iter % p.test_interval == 0 and \
                     (self.iter > 0 or p.test_initialization):
                 if self.is_root:
-                    self._wait_all()
+                    self.wait_all()
                     self.test_all()
                 if self._early_exit:
                     break
@@ -445,7 +441,7 @@ class Solver:
             self.iter += 1
             if tl.active:
                 tl.complete(f"iteration {self.iter - 1}", "iteration", iteration_start)
-            self._advance_progress(loss)
+            self._call("on_iteration", loss)
             request = self._take_request()
             if (p.snapshot and self.iter % p.snapshot == 0) or request == "snapshot":
                 self.snapshot()
@@ -471,11 +467,10 @@ class Solver:
             glog.info(f"Restoring previous solver status from {resume_file}")
             self.restore(resume_file)
         start_iter = self.iter
-        restore_signals = self._install_signals()
-        self._start_progress()
+        self._call("on_start")
         try:
             self.step(p.max_iter - self.iter)
-            self._wait_all()
+            self.wait_all()
             # a stop request (SIGINT) snapshots even when snapshot_after_train is off
             if (p.snapshot_after_train or self._early_exit) and \
                     (not p.snapshot or self.iter % p.snapshot != 0):
@@ -491,8 +486,7 @@ class Solver:
                 self.test_all()
             glog.info("Optimization Done.")
         finally:
-            self._stop_progress()
-            restore_signals()
+            self._call("on_end")
 
     # -- testing ----------------------------------------------------------------------------
     def test_all(self) -> list[TestResult | None]:
@@ -528,179 +522,52 @@ class Solver:
             glog.info(f"    Test net output #{k}: {score_line(name, value, weight)}")
         return result
 
-    # -- snapshots --------------------------------------------------------------------------
+    # -- snapshots (engine/snapshots.py) --------------------------------------------------
     def snapshot_prefix(self) -> Path:
-        """The resolved snapshot_prefix (see ``_snapshot_base``)."""
-        return Path(self._snapshot_base())
-
-    def _snapshot_base(self) -> str:
-        """snapshot_prefix: its folder is looked up beside the solver file first, then in the
-        working directory; a bare prefix (no folder) lands beside the solver file. Without a
-        prefix: the solver file's name (later Caffe's default), or "" for a SolverParameter
-        given in memory (Caffe 1.0: files named ``_iter_N.caffemodel``)."""
-        p = self.param
-        if p.snapshot_prefix:
-            prefix = Path(p.snapshot_prefix)
-        elif self.source != "<SolverParameter>":
-            prefix = Path(Path(self.source).stem)
-        else:
-            prefix = Path("")
-        folder = prefix.parent if prefix.is_absolute() else self.context.resolve(str(prefix.parent))
-        return os.path.join(folder, prefix.name)
+        """The resolved snapshot_prefix."""
+        return Path(snapshots.snapshot_base(self))
 
     def snapshot_paths(self) -> tuple[Path, Path]:
         """(weights, state) file names of a snapshot at the current iteration."""
-        h5 = self.param.snapshot_format == caffe_pb2.SolverParameter.HDF5
-        base = f"{self._snapshot_base()}_iter_{self.iter}"
-        return (Path(base + (".caffemodel.h5" if h5 else ".caffemodel")),
-                Path(base + (".solverstate.h5" if h5 else ".solverstate")))
+        return snapshots.snapshot_paths(self)
 
     def snapshot(self) -> tuple[Path, Path] | None:
         """Write weights then solver state, each atomically (root only; others return None)."""
-        from .caffe_io import save_net, write_solverstate
-
-        model, state_path = self.snapshot_paths()
-        # every rank knows what rank 0 writes at this iteration (errors name it as the last
-        # good snapshot; a shared file system is assumed, as for the solver and the data)
-        if not self.is_root:
-            self.last_snapshot = state_path
-            return None
-        self._wait_all()
-        h5 = model.suffix == ".h5"
-        glog.info(f"Snapshotting to {'HDF5' if h5 else 'binary proto'} file {model}")
-        save_net(self.net, model, self.param.snapshot_diff)
-        glog.info(f"Snapshotting solver state to {'HDF5' if h5 else 'binary proto'} file {state_path}")
-        write_solverstate(state_path, self.solver_state(str(model)))
-        self.last_snapshot = state_path
-        return model, state_path
+        return snapshots.write_snapshot(self)
 
     def solver_state(self, learned_net: str = "") -> Any:
         """The SolverState message of the current iteration (history in Caffe's layout)."""
-        from .caffe_io import array_to_blob
-
-        state = caffe_pb2.SolverState()
-        state.iter = self.iter
-        if learned_net:
-            state.learned_net = learned_net
-        state.current_step = self.current_step
-        for h in self.history:
-            state.history.add().CopyFrom(array_to_blob(h))
-        state.data_position.extend(layer.position() for layer in self.net.data_layers)
-        return state
+        return snapshots.solver_state(self, learned_net)
 
     def restore(self, path: str | Path) -> None:
         """Load a .solverstate (binary, or HDF5 by its .h5 suffix) and the weights it names."""
-        from .caffe_io import copy_weights_into, read_solverstate, resolve_learned_net, \
-            solverstate_history
+        snapshots.restore(self, path)
 
-        path = Path(path)
-        if not path.is_file():
-            raise SolverError(f"solverstate {path} not found")
-        state = read_solverstate(path)
-        histories = solverstate_history(state)
-        if len(histories) != len(self.history):
-            raise SolverError(
-                f"solverstate {path} has {len(histories)} history blobs, but a {self.type} solver "
-                f"on net '{self.net.name}' needs {len(self.history)} (a snapshot of another net "
-                "or solver type?)")
-        for k, (mine, theirs) in enumerate(zip(self.history, histories)):
-            if mine.size != theirs.size:
-                name = self.net.param_names[k % self._n_params]
-                raise SolverError(f"solverstate {path}: history blob {k} has {theirs.size} values, "
-                                  f"parameter {name} has shape {tuple(mine.shape)} (a snapshot of "
-                                  "another net?)")
-        if state.HasField("learned_net") and state.learned_net:
-            copy_weights_into(self.net, resolve_learned_net(path, state))
-        for mine, theirs in zip(self.history, histories):
-            mine[...] = backend.get_array_module(mine).asarray(theirs.reshape(mine.shape))
-        self.iter = state.iter
-        self.current_step = state.current_step
-        self._seek_data(list(state.data_position))
-        self.last_snapshot = path
-
-    def _seek_data(self, positions: list[int]) -> None:
-        layers = self.net.data_layers
-        if positions and len(positions) != len(layers):
-            raise SolverError(f"solverstate records {len(positions)} data positions but net "
-                              f"'{self.net.name}' has {len(layers)} data layers")
-        if not positions:  # a Caffe solverstate: where Caffe's uninterrupted run would be
-            positions = [self.iter * layer.step * self.param.iter_size for layer in layers]
-        for layer, pos in zip(layers, positions):
-            layer.seek(int(pos))
-
-    # -- signals and progress ----------------------------------------------------------------
+    # -- requests and callbacks --------------------------------------------------------------
     def request(self, action: str) -> None:
         """Ask the loop to 'snapshot' (and go on) or 'stop' (snapshot and stop) at the next
-        iteration boundary; what SIGHUP and SIGINT do."""
+        iteration boundary: what the CLI's signal handlers do (Caffe's action_request_function).
+        Safe to call from a signal handler."""
         if action not in ("snapshot", "stop"):
             raise ValueError(f"unknown solver action {action!r}")
         self._requests.append(action)
         if self._sync is not None:
             self._sync.request(action)
 
-    def _install_signals(self) -> Callable[[], None]:
-        """Each signal of ``signal_effects`` asks for its action at the next iteration boundary
-        ('none' ignores it). A second stop signal interrupts at once."""
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-        previous = {}
+    def add_callback(self, callback: Any) -> None:
+        """Call ``callback.on_start(solver)``, ``.on_iteration(solver, loss)`` and
+        ``.on_end(solver)`` (those it has) around ``solve`` (Caffe's Solver::Callback): how the
+        CLI draws its progress bar without the solver knowing a terminal."""
+        self._callbacks.append(callback)
 
-        def handler(signum: int, frame: Any) -> None:
-            action = self.signal_effects[signal.Signals(signum).name]
-            if action == "none":
-                return
-            if action == "stop" and "stop" in self._requests:
-                raise KeyboardInterrupt
-            self.request(action)
-
-        for name, action in self.signal_effects.items():
-            sig = getattr(signal, name, None)
-            if sig is not None:
-                previous[sig] = signal.signal(sig, handler)
-
-        def restore() -> None:
-            for sig, h in previous.items():
-                signal.signal(sig, h)
-        return restore
+    def _call(self, event: str, *args: Any) -> None:
+        for cb in self._callbacks:
+            fn = getattr(cb, event, None)
+            if fn is not None:
+                fn(self, *args)
 
     def images_per_iter(self) -> int:
         """Images per iteration over all workers (the first data layer's stride x iter_size)."""
         layers = self.net.data_layers
         per_pass = sum(getattr(l, "step", 0) for l in layers[:1])
         return per_pass * self.param.iter_size
-
-    def _start_progress(self) -> None:
-        if not (self.is_root and sys.stderr.isatty()):
-            return
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, \
-            TimeRemainingColumn
-
-        console = Console(stderr=True)
-        self._progress = Progress(TextColumn("iteration"), MofNCompleteColumn(), BarColumn(),
-                                  TextColumn("loss {task.fields[loss]}  lr {task.fields[lr]}  "
-                                             "{task.fields[ips]} img/s"),
-                                  TimeRemainingColumn(), console=console)
-        self._progress_task = self._progress.add_task("train", total=self.param.max_iter,
-                                                      completed=self.iter, loss="-", lr="-", ips="-")
-        self._progress_t0 = (time.perf_counter(), self.iter)
-        glog.set_printer(lambda line: console.print(line, markup=False, highlight=False,
-                                                    soft_wrap=True))
-        self._progress.start()
-
-    def _advance_progress(self, loss: float) -> None:
-        if self._progress is None:
-            return
-        t0, it0 = self._progress_t0
-        elapsed = time.perf_counter() - t0
-        ips = (self.iter - it0) * self.images_per_iter() / elapsed if elapsed > 0 else 0.0
-        self._progress.update(self._progress_task, completed=self.iter,
-                              loss=f"{self.smoothed_loss:.4g}", lr=f"{self.rate:.3g}",
-                              ips=f"{ips:.0f}")
-
-    def _stop_progress(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
-            glog.set_printer(None)
-

@@ -149,6 +149,9 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
     from engine import backend, glog
     from engine.solver import Solver
 
+    from .progress import ProgressBar
+    from .signals import signal_requests
+
     with user_errors():
         if gpus is not None:
             if len(gpus) > 1:
@@ -163,7 +166,7 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
             s = make_solver(solver, replay, time_scale)
         else:
             s = Solver(solver)
-        s.signal_effects = effects
+        s.add_callback(ProgressBar())
         try:
             for w in weight_files:
                 s.load_weights(w)
@@ -171,7 +174,8 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
             if timeline is not None:
                 from engine.perf import timeline as tl
                 tl.start(timeline, "train", "rank0")
-            s.solve(snapshot)
+            with signal_requests(s, effects):
+                s.solve(snapshot)
         finally:
             s.close()
             if timeline is not None:

@@ -20,6 +20,8 @@ from poseidon_cli.main import user_errors  # isort: skip
 from engine.comm.errors import CommError
 from engine.comm.hosts import HostEntry, is_local, local_addresses
 
+from ..progress import ProgressBar
+from ..signals import signal_requests
 from .config import JobConfig
 from .relay import ErrorRelay
 from .shard import EXIT_GRACE_S, shard_command
@@ -39,6 +41,7 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
     if config.log_dir is not None:
         Path(config.log_dir).mkdir(parents=True, exist_ok=True)
         glog.add_file(str(Path(config.log_dir) / f"rank{rank}.log"))
+    glog.set_enabled(rank == 0)  # the others show only their warnings and errors (as Caffe)
     world = len(entries)
     if gpu is not None:
         backend.use_gpu(gpu)
@@ -49,7 +52,8 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
                              is_root=rank == 0)
     else:
         solver = Solver(config.solver, context=context, is_root=rank == 0)
-    solver.signal_effects.update(config.signal_effects)
+    if rank == 0:
+        solver.add_callback(ProgressBar())  # drawn only when this worker's stderr is a terminal
     for w in config.weights:
         solver.load_weights(w)
     slots, infos = describe_net(solver.net)
@@ -101,7 +105,8 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
 
         solver.attach_sync(Syncer(ep, slots, schemes, layout, solver.update_layer,
                                   on_round_done=report))
-        solver.solve(resume_file=config.snapshot)
+        with signal_requests(solver, config.signal_effects):
+            solver.solve(resume_file=config.snapshot)
         solver.close()  # the last updates, the replica check, BYE; then the shard ends
         shard.wait(timeout=config.timeout)
         if shard.returncode:
