@@ -1,0 +1,45 @@
+"""The distributed path on a GPU: a worker on GPU 0 trains as the CPU does, and two workers
+sharing GPU 0 (`-n 2 --gpu 0`) equal one GPU worker with twice the batch, for every scheme.
+
+The gradients leave the device for the communicator and the averaged ones come back, so this
+is the whole GPU training step plus the wire. Same non-chaotic set-up and bound as
+test_comm_train.py (see its docstring). Skipped without CuPy and a GPU, as in CI.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import backend
+from tests.test_comm_train import (BOUND, ITERS, TOTAL_BATCH, digits_db, poseidon,  # noqa: F401
+                                   relative_distance, weights, write_run)
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not backend.cupy_available(), reason="needs CuPy and a CUDA GPU")]
+
+
+def train(d: Path, db: Path, batch: int, name: str, *args: str) -> dict[str, np.ndarray]:
+    solver = write_run(d, db, batch, name)
+    done = poseidon("train", "--solver", str(solver), *args, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return weights(d / f"{name}_iter_{ITERS}.caffemodel")
+
+
+@pytest.fixture(scope="module")
+def gpu_reference(digits_db, tmp_path_factory) -> dict[str, np.ndarray]:  # noqa: F811
+    return train(tmp_path_factory.mktemp("gpu_ref"), digits_db, TOTAL_BATCH, "ref", "--gpu", "0")
+
+
+def test_one_gpu_worker_trains_as_the_cpu_does(digits_db, gpu_reference, tmp_path):  # noqa: F811
+    cpu = train(tmp_path, digits_db, TOTAL_BATCH, "cpu")
+    assert max(relative_distance(gpu_reference, cpu).values()) <= BOUND
+
+
+@pytest.mark.parametrize("comm", ["ps", "sfb", "hybrid"])
+def test_two_workers_sharing_gpu_0_equal_one_gpu_worker_with_twice_the_batch(
+        comm, digits_db, gpu_reference, tmp_path):  # noqa: F811
+    got = train(tmp_path, digits_db, TOTAL_BATCH // 2, "n2", "-n", "2", "--gpu", "0",
+                "--comm", comm)
+    assert max(relative_distance(got, gpu_reference).values()) <= BOUND
