@@ -66,11 +66,12 @@ def comm(sizes: str, repeats: int, workers: str, json_path: str | None,
     click.echo(f"machine: {cpu_name_and_blas()}, loopback; peer: a raw TCP stream in the same run; "
                f"iperf3: {'installed, not run' if shutil.which('iperf3') else 'not installed'}")
     click.echo(f"{'bytes':>11} {'one-way us':>11} {'poseidon MB/s':>14} {'tcp MB/s':>10} "
-               f"{'ratio':>6}")
+               f"{'ratio':>6} {'no-auth MB/s':>13} {'auth cost':>10}")
 
     def say(r) -> None:
         click.echo(f"{r.bytes:>11} {r.poseidon_one_way_s * 1e6:>11.1f} {r.poseidon_mb_s:>14.1f} "
-                   f"{r.tcp_mb_s:>10.1f} {r.ratio:>6.2f}")
+                   f"{r.tcp_mb_s:>10.1f} {r.ratio:>6.2f} {r.unauthenticated_mb_s:>13.1f} "
+                   f"{r.auth_cost:>9.1%}")
 
     try:
         rows, link = run(chosen, repeats, say)

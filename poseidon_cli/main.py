@@ -21,6 +21,7 @@ COMMANDS = {
     "device-query": "poseidon_cli.device_cmd:device_query",
     "simulate": "poseidon_cli.simulate_cmd:simulate",
     "bench": "poseidon_cli.bench_cmd:bench",
+    "keygen": "poseidon_cli.keygen_cmd:keygen",
 }
 
 

@@ -85,6 +85,10 @@ def solver_gpu(solver: str) -> list[int] | None:
 @click.option("--comm", type=click.Choice(["ps", "sfb", "hybrid"]), default="hybrid",
               show_default=True, help="Gradient communication: sharded PS, SFB, or the "
               "cheaper of the two per layer.")
+@click.option("--key-file", default=None, type=click.Path(dir_okay=False),
+              help="The job key every process authenticates its messages with (`poseidon "
+              "keygen`; mode 600). Without it the launcher makes a fresh one for the workers it "
+              "starts; workers started by hand (--rank) need it, or $POSEIDON_JOB_KEY.")
 @click.option("--launch", type=click.Choice(["local", "ssh"]), default="local", show_default=True,
               help="How to start the workers on other hosts.")
 @click.option("--stats", default=None, type=click.Path(dir_okay=False),
@@ -110,7 +114,8 @@ def solver_gpu(solver: str) -> list[int] | None:
               help="Write Chrome trace events (Perfetto): layers, sends, sums, updates, per "
               "process and thread, merged across the ranks of this machine.")
 def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | None,
-          hosts: str | None, nproc: int | None, rank: int | None, comm: str, launch: str, stats: str | None,
+          hosts: str | None, nproc: int | None, rank: int | None, comm: str,
+          key_file: str | None, launch: str, stats: str | None,
           timeout: float, chunk_bytes: int, sigint_effect: str, sighup_effect: str,
           replay: str | None, time_scale: float, log_dir: str | None,
           timeline: str | None) -> None:
@@ -139,9 +144,12 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
                                chunk_bytes=chunk_bytes, weights=tuple(weight_files),
                                snapshot=snapshot, gpus=tuple(gpus) if gpus is not None else None,
                                stats=stats, signal_effects=effects, replay=replay,
-                               time_scale=time_scale, timeline=timeline, log_dir=log_dir)
+                               time_scale=time_scale, timeline=timeline, log_dir=log_dir,
+                               key_file=key_file)
             launcher.run(config, rank, launch)
         return
+    if key_file is not None:
+        fail("--key-file authenticates the processes of a distributed run: give --hosts or -n")
     if log_dir is not None:
         fail("--log-dir names the workers' logs of a distributed run: give --hosts or -n, or "
              "redirect this process's stderr")

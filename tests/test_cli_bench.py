@@ -31,6 +31,8 @@ def test_bench_comm_measures_both_and_fits_a_link(tmp_path):
     for r in report["rows"]:
         assert r["poseidon_mb_s"] > 0 and r["tcp_mb_s"] > 0
         assert r["ratio"] == pytest.approx(r["poseidon_mb_s"] / r["tcp_mb_s"])
+        assert r["unauthenticated_mb_s"] > 0
+        assert r["auth_cost"] == pytest.approx(1 - r["poseidon_mb_s"] / r["unauthenticated_mb_s"])
     fitted = load_link(link)
     assert fitted.beta_s_per_byte > 0 and fitted.alpha_s >= 0
     # the fit passes near its points: one-way time of 256 KB within a factor 2

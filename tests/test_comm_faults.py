@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.comm.auth import KEY_ENV
 from tests.test_comm_train import ROOT, digits_db, write_hosts, write_run  # noqa: F401
 
 TIMEOUT = 3.0
@@ -37,9 +38,14 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+#: what a launcher would hand the workers it starts; here they are started by hand
+JOB_ENV = {**os.environ, KEY_ENV: "ab" * 32}
+
+
 def start(args: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "poseidon_cli.main", "train", *args], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=log.open("w"), start_new_session=True)
+                            stdout=subprocess.DEVNULL, stderr=log.open("w"), start_new_session=True,
+                            env=JOB_ENV)
 
 
 def wait_for_line(log: Path, pattern: str, procs: list[subprocess.Popen], limit: float = 40) -> None:
@@ -159,7 +165,7 @@ def test_start_up_barrier_names_the_host_that_did_not_come(digits_db, tmp_path):
     t0 = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "poseidon_cli.main", "train", "--solver", str(solver),
                            "--hosts", str(hosts), "--rank", "0", "--timeout", "1.5"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=30)
+                          capture_output=True, text=True, timeout=30, env=JOB_ENV)
     assert done.returncode != 0
     assert time.monotonic() - t0 < 20
     assert (f"poseidon: error: worker 1 (127.0.0.1:{base + 2}) did not come within 1.5 s"

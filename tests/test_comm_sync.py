@@ -16,7 +16,7 @@ import pytest
 from engine.comm.planner import cost_ps_node, cost_ps_worker, cost_sfb
 from engine.comm.ps import PSParam, ShardServer, make_layout
 from engine.comm.syncer import LayerSlot, ParamSlot, Syncer, open_worker
-from tests.test_comm_transport import local_hosts
+from tests.test_comm_transport import KEY, local_hosts
 
 K, M, N = 4, 6, 8
 SHAPES = {0: [(16,)], 1: [(N, M), (N,)], 2: [(3, 4)]}
@@ -67,7 +67,7 @@ def worker_main(rank, hosts, scheme, rounds, chunk_bytes, backward_s, out):
             for b in blobs[layer]:
                 b.data -= LR * b.diff
 
-        ep = open_worker(rank, hosts, timeout=10)
+        ep = open_worker(rank, hosts, key=KEY, timeout=10)
         sync = Syncer(ep, layers, schemes, layout, update)
         for rnd in range(rounds):
             for layer in blobs:                        # forward: per-layer wait
@@ -89,7 +89,7 @@ def worker_main(rank, hosts, scheme, rounds, chunk_bytes, backward_s, out):
 
 def shard_main(index, hosts, out):
     try:
-        srv = ShardServer(index, hosts, timeout=10)
+        srv = ShardServer(index, hosts, key=KEY, timeout=10)
         srv.start()
         srv.serve()
         srv.close()

@@ -9,10 +9,14 @@ import zmq
 
 from engine.comm.hosts import (DEFAULT_PORT, HostsError, free_base_port, parse_hosts,
                                parse_hosts_text)
+from engine.comm.auth import Signer
 from engine.comm.errors import CommError
 from engine.comm.transport import SHARD, WORKER, Endpoint, header, message_key
 from engine.pb import poseidon_pb2 as pb
 from tests.conftest import shared_path
+
+
+KEY = bytes(range(32))
 
 
 def local_hosts(n: int):
@@ -44,9 +48,13 @@ def test_bad_hosts_files_name_the_line(text, needle):
         parse_hosts_text(text, "h.txt")
 
 
+def signed(frames: list[bytes], signer: Signer) -> list[bytes]:
+    return [*frames, signer.trailer(frames)]
+
+
 def test_forged_messages_are_dropped_and_receiver_keeps_working():
-    hosts = local_hosts(2)
-    recv = Endpoint((WORKER, 0), hosts, [(WORKER, 1)], timeout=10)
+    hosts = local_hosts(3)
+    recv = Endpoint((WORKER, 0), hosts, [(WORKER, 1), (WORKER, 2)], key=KEY, timeout=10)
     shape = (3, 4)
 
     def check(msg):
@@ -58,35 +66,73 @@ def test_forged_messages_are_dropped_and_receiver_keeps_working():
         return None
 
     recv.checker = check
-    sender = Endpoint((WORKER, 1), hosts, [(WORKER, 0)], timeout=10)
+    sender = Endpoint((WORKER, 1), hosts, [(WORKER, 0)], key=KEY, timeout=10)
+    raw = zmq.Context.instance().socket(zmq.PUSH)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(hosts[0].worker_addr())
+    insider = Signer(KEY)  # worker 2, a process of the job that sends nonsense (a bug)
+    try:
+        good = np.arange(12, dtype=np.float32).reshape(shape)
+
+        def claim(rnd: int, dtype: str = "<f4", dims=(3, 4), role=pb.WORKER, who=2) -> list[bytes]:
+            h = header(pb.FACTORS, layer=5, sender_role=role, sender=who, round=rnd)
+            h.arrays.add(dtype=dtype, shape=list(dims))
+            return [h.SerializeToString(), good.tobytes()]
+
+        # without the key: garbage, an empty message, a well-formed claim to be worker 1
+        # (unsigned, signed with another job's key, or an authentic message altered), and the
+        # overflowing shape of finding 1
+        raw.send_multipart([b"\xff\x00garbage\x13"])
+        raw.send_multipart([b""])
+        raw.send_multipart(claim(0))
+        raw.send_multipart(signed(claim(0), Signer(bytes(32))))
+        altered = signed(claim(0), Signer(KEY))
+        altered[1] = (good + 1).tobytes()
+        raw.send_multipart(altered)
+        raw.send_multipart(signed(claim(0, dims=(2**32, 2**32)), Signer(bytes(32)))[:1] + [b""])
+        unauthenticated = 6
+        # with the key, but wrong: a shape whose product wraps int64, a lying array count, an
+        # unknown sender, pickle's dtype, and a wrong shape and layer from worker 1
+        raw.send_multipart(signed([claim(1, dims=(2**32, 2**32))[0], b""], insider))
+        raw.send_multipart(signed(claim(2, dims=(100,)), insider))
+        raw.send_multipart(signed(claim(3, role=pb.SHARD, who=7), insider))
+        raw.send_multipart(signed(claim(4, dtype="|O"), insider))
+        sender.send((WORKER, 0), header(pb.FACTORS, layer=5), [np.zeros((4, 3), np.float32)])
+        sender.send((WORKER, 0), header(pb.FACTORS, layer=9, round=1), [good])
+        # then the real one, and a replay of an authentic message
+        sender.send((WORKER, 0), header(pb.FACTORS, layer=5, round=0), [good])
+        replayed = signed(claim(5), insider)
+        raw.send_multipart(replayed)
+        raw.send_multipart(replayed)
+        [msg] = recv.wait_for([message_key(pb.FACTORS, (WORKER, 1), 0, 5)], "factors", timeout=5)
+        np.testing.assert_array_equal(msg.arrays[0], good)
+        expected = unauthenticated + 6 + 1
+        deadline = time.monotonic() + 5
+        while recv.dropped < expected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (recv.dropped, recv.unauthenticated) == (expected, unauthenticated)
+        assert recv.error is None
+    finally:
+        raw.close()
+        sender.close()
+        recv.close()
+
+
+def test_a_frame_over_the_limit_disconnects_its_sender_and_nothing_else():
+    hosts = local_hosts(2)
+    recv = Endpoint((WORKER, 0), hosts, [(WORKER, 1)], key=KEY, timeout=10, max_frame_bytes=1024)
+    recv.checker = lambda msg: None
+    sender = Endpoint((WORKER, 1), hosts, [(WORKER, 0)], key=KEY, timeout=10)
     raw = zmq.Context.instance().socket(zmq.PUSH)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(hosts[0].worker_addr())
     try:
-        good = np.arange(12, dtype=np.float32).reshape(shape)
-        # forged: garbage bytes, a wrong shape, an unknown layer, a lying header, unknown sender
-        raw.send_multipart([b"\xff\x00garbage\x13"])
-        raw.send_multipart([b"\x08\x07\x10\x05"])  # kind 7 but role 5
-        sender.send((WORKER, 0), header(pb.FACTORS, layer=5), [np.zeros((4, 3), np.float32)])
-        sender.send((WORKER, 0), header(pb.FACTORS, layer=9, round=1), [good])
-        lying = header(pb.FACTORS, layer=5, sender_role=pb.WORKER, sender=1, round=2)
-        lying.arrays.add(dtype="<f4", shape=[100])
-        raw.send_multipart([lying.SerializeToString(), good.tobytes()])
-        stranger = header(pb.FACTORS, layer=5, sender_role=pb.SHARD, sender=7, round=3)
-        stranger.arrays.add(dtype="<f4", shape=[3, 4])
-        raw.send_multipart([stranger.SerializeToString(), good.tobytes()])
-        pickled = header(pb.FACTORS, layer=5, sender_role=pb.WORKER, sender=1, round=4)
-        pickled.arrays.add(dtype="|O", shape=[3, 4])
-        raw.send_multipart([pickled.SerializeToString(), good.tobytes()])
-        # then the real one
-        sender.send((WORKER, 0), header(pb.FACTORS, layer=5, round=0), [good])
+        raw.send_multipart([b"x" * 4096])
+        small = np.ones(16, np.float32)
+        sender.send((WORKER, 0), header(pb.FACTORS, layer=5), [small])
         [msg] = recv.wait_for([message_key(pb.FACTORS, (WORKER, 1), 0, 5)], "factors", timeout=5)
-        np.testing.assert_array_equal(msg.arrays[0], good)
-        deadline = time.monotonic() + 5
-        while recv.dropped < 7 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert recv.dropped == 7
-        assert recv.error is None
+        np.testing.assert_array_equal(msg.arrays[0], small)
+        assert recv.dropped == 0 and recv.error is None  # the big one never reached Python
     finally:
         raw.close()
         sender.close()
@@ -95,7 +141,7 @@ def test_forged_messages_are_dropped_and_receiver_keeps_working():
 
 def test_receive_timeout_names_who_is_missing():
     hosts = local_hosts(3)
-    ep = Endpoint((WORKER, 0), hosts, [(WORKER, 1), (SHARD, 2)], timeout=0.6)
+    ep = Endpoint((WORKER, 0), hosts, [(WORKER, 1), (SHARD, 2)], key=KEY, timeout=0.6)
     try:
         with pytest.raises(CommError, match=r"waiting for sums from shard 2 \(127\.0\.0\.1:\d+\), worker 1"):
             ep.wait_for([message_key(pb.SUM, (WORKER, 1)), message_key(pb.SUM, (SHARD, 2))], "sums",
@@ -106,7 +152,7 @@ def test_receive_timeout_names_who_is_missing():
 
 def test_silent_peer_is_named_by_the_heartbeat_watchdog():
     hosts = local_hosts(2)
-    ep = Endpoint((WORKER, 0), hosts, [(WORKER, 1)], timeout=0.5)
+    ep = Endpoint((WORKER, 0), hosts, [(WORKER, 1)], key=KEY, timeout=0.5)
     try:
         deadline = time.monotonic() + 5
         while ep.error is None and time.monotonic() < deadline:

@@ -98,13 +98,14 @@ def layout_digest(layout: Sequence[Chunk]) -> bytes:
 class ShardServer:
     """One node's PS shard: sums pushes of its chunks and answers every worker with the sum."""
 
-    def __init__(self, index: int, hosts: Sequence[HostEntry], timeout: float = 30.0,
-                 stats: CommStats | None = None, exit_grace: float | None = None) -> None:
+    def __init__(self, index: int, hosts: Sequence[HostEntry], *, key: bytes,
+                 timeout: float = 30.0, stats: CommStats | None = None,
+                 exit_grace: float | None = None, max_frame_bytes: int | None = None) -> None:
         self.index = index
         self.world = len(hosts)
         self.workers = [(WORKER, r) for r in range(self.world)]
-        self.ep = Endpoint((SHARD, index), hosts, self.workers, timeout=timeout, stats=stats,
-                           exit_grace=exit_grace)
+        self.ep = Endpoint((SHARD, index), hosts, self.workers, key=key, timeout=timeout,
+                           stats=stats, exit_grace=exit_grace, max_frame_bytes=max_frame_bytes)
         self._chunks: dict[tuple[int, int], Chunk] = {}
         self._next: dict[tuple[int, int], int] = {}
         self._pending: dict[tuple[int, int, int], tuple[float, dict[int, np.ndarray]]] = {}

@@ -14,7 +14,7 @@ import hashlib
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -26,7 +26,8 @@ from .errors import CommError
 from .hosts import HostEntry
 from .ps import Chunk, layout_digest
 from .stats import CommStats, now
-from .transport import SHARD, WORKER, Endpoint, Message, header, message_key
+from .transport import (HEADER_BYTES, HEADER_BYTES_PER_CHUNK, SHARD, WORKER, Endpoint, Message,
+                        header, message_key)
 
 
 #: what a signal asks for, as bits on the wire (Header.request)
@@ -52,14 +53,27 @@ class LayerSlot:
     factor_shape: tuple[int, int, int] | None = None
 
 
-def open_worker(rank: int, hosts: Sequence[HostEntry], timeout: float = 30.0,
+def open_worker(rank: int, hosts: Sequence[HostEntry], *, key: bytes, timeout: float = 30.0,
                 stats: CommStats | None = None, exit_grace: float | None = None,
-                snapshot_hint: Callable[[], str | None] | None = None) -> Endpoint:
+                snapshot_hint: Callable[[], str | None] | None = None,
+                max_frame_bytes: int | None = None) -> Endpoint:
     """Bind worker ``rank``'s socket and connect to every worker and shard (no traffic yet)."""
     world = len(hosts)
     peers = [(WORKER, r) for r in range(world)] + [(SHARD, s) for s in range(world)]
-    return Endpoint((WORKER, rank), hosts, peers, timeout=timeout, stats=stats,
-                    exit_grace=exit_grace, snapshot_hint=snapshot_hint)
+    return Endpoint((WORKER, rank), hosts, peers, key=key, timeout=timeout, stats=stats,
+                    exit_grace=exit_grace, snapshot_hint=snapshot_hint,
+                    max_frame_bytes=max_frame_bytes)
+
+
+def frame_limit(layout: Sequence[Chunk], slots: Mapping[int, LayerSlot]) -> int:
+    """The largest frame a process of this job sends: a chunk, a layer's factor (u or v, at
+    most 8 bytes a value), or a header (LAYOUT lists every chunk). ZMQ_MAXMSGSIZE."""
+    biggest = max((c.count * np.dtype(c.dtype).itemsize for c in layout), default=0)
+    for s in slots.values():
+        if s.factor_shape is not None:
+            k, m, n = s.factor_shape
+            biggest = max(biggest, 8 * k * max(m, n))
+    return max(biggest, HEADER_BYTES + HEADER_BYTES_PER_CHUNK * len(layout))
 
 
 def meet(ep: Endpoint, layout: Sequence[Chunk]) -> None:

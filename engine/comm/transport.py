@@ -4,9 +4,13 @@ Every process (a worker, or a node's shard server) binds one PULL socket at its 
 keeps one PUSH socket connected to each peer. A message is ``[header][array]...``: the header is
 a ``poseidon.Header`` protobuf, the arrays are raw C-contiguous bytes sent with ``copy=False``.
 
-A receiver thread parses and validates every message before a byte of it is used (structure
-here; content — layer, chunk, round, dtype, shape — by the owner's ``checker``). A bad message
-is logged and dropped. Good data messages go to a handler (the shard server) or to a mailbox
+Every message ends with an authentication trailer (engine/comm/auth.py): a receiver checks it
+before it reads the header, so a process without the job's key can neither change a weight nor
+stop the job; its messages are dropped and counted. Then the receiver thread parses and
+validates the message before a byte of it is used (structure here, with Python ints and a cap
+on every size; content — layer, chunk, round, dtype, shape — by the owner's ``checker``). A bad
+message is logged (rate-limited), counted and dropped; nothing a peer sends can end the
+thread. Good data messages go to a handler (the shard server) or to a mailbox
 the syncer waits on with a timeout that names who is missing. A heartbeat thread keeps peers
 informed and notices peers that went silent; any fatal error is broadcast (ABORT) so that every
 process stops with the same message naming the culprit.
@@ -27,6 +31,7 @@ import zmq
 from engine import backend
 from engine.pb import poseidon_pb2 as pb
 
+from .auth import Signer, Verifier
 from .errors import CommError
 from .hosts import HostEntry, port_owner
 from .stats import CommStats
@@ -40,6 +45,10 @@ Key = tuple[int, str, int, int, int, int, int]
 
 ALLOWED_DTYPES = {np.dtype(t).str for t in ("<f2", "<f4", "<f8")}
 MAX_FRAMES = 64
+MAX_DIMS = 8
+#: a header frame's bound: the LAYOUT header lists every chunk (about 40 bytes each)
+HEADER_BYTES_PER_CHUNK = 64
+HEADER_BYTES = 1 << 16
 _ROLE = {pb.WORKER: WORKER, pb.SHARD: SHARD}
 _ROLE_PB = {WORKER: pb.WORKER, SHARD: pb.SHARD}
 _SCHEME = {pb.PUSH: "ps", pb.SUM: "ps", pb.FACTORS: "sfb"}
@@ -83,10 +92,14 @@ class Endpoint:
     receives valid data messages on the receiver thread instead of the mailbox.
     """
 
-    def __init__(self, me: PeerId, hosts: Sequence[HostEntry], peers: Iterable[PeerId],
-                 timeout: float = 30.0, stats: CommStats | None = None,
+    def __init__(self, me: PeerId, hosts: Sequence[HostEntry], peers: Iterable[PeerId], *,
+                 key: bytes | None, timeout: float = 30.0, stats: CommStats | None = None,
                  exit_grace: float | None = None,
-                 snapshot_hint: Callable[[], str | None] | None = None) -> None:
+                 snapshot_hint: Callable[[], str | None] | None = None,
+                 max_frame_bytes: int | None = None) -> None:
+        """``key``: the job key every message is authenticated with; None only for a
+        benchmark's unauthenticated baseline. ``max_frame_bytes``: the largest frame a
+        legitimate peer sends (ZMQ_MAXMSGSIZE: a peer announcing more is disconnected)."""
         self.me = me
         self.hosts = list(hosts)
         self.peers = [p for p in peers if p != me]
@@ -98,6 +111,10 @@ class Endpoint:
         self.handler: Callable[[Message], None] | None = None
         self.on_fatal: list[Callable[[str], None]] = []
         self.dropped = 0
+        #: messages that failed authentication (counted among ``dropped``)
+        self.unauthenticated = 0
+        self._signer = Signer(key) if key is not None else None
+        self._verifier = Verifier(key) if key is not None else None
         self.error: str | None = None
         #: True when the error came in an ABORT (some other process reports it first-hand)
         self.error_from_peer = False
@@ -116,6 +133,8 @@ class Endpoint:
         port = entry.port if me[0] == WORKER else entry.shard_port
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        if max_frame_bytes is not None:
+            self._pull.setsockopt(zmq.MAXMSGSIZE, int(max_frame_bytes))
         try:
             self._pull.bind(f"tcp://*:{port}")  # peers on other machines must reach it
         except zmq.ZMQError as e:
@@ -146,6 +165,12 @@ class Endpoint:
     # ----------------------------------------------------------------------------- sending
     def send(self, peer: PeerId, hdr: pb.Header, arrays: Sequence[np.ndarray] = ()) -> None:
         """Send a header and arrays (zero-copy: do not modify them until the peer answered)."""
+        self.broadcast([peer], hdr, arrays)
+
+    def broadcast(self, peers: Iterable[PeerId], hdr: pb.Header,
+                  arrays: Sequence[np.ndarray] = ()) -> None:
+        """Send one message to each of ``peers``, authenticated once: every receiver sees the
+        sender's counters grow, since they are taken in sending order under the lock."""
         hdr.sender_role = _ROLE_PB[self.me[0]]
         hdr.sender = self.me[1]
         del hdr.arrays[:]
@@ -154,20 +179,23 @@ class Endpoint:
             a = np.ascontiguousarray(a)
             hdr.arrays.add(dtype=a.dtype.str, shape=a.shape)
             frames.append(memoryview(a).cast("B") if a.size else b"")
+        frames.insert(0, hdr.SerializeToString())
         nbytes = sum(a.nbytes for a in arrays)
-        with self._send_lock:
-            sock = self._push.get(peer)
-            if sock is None:
-                return
-            sock.send_multipart([hdr.SerializeToString(), *frames], copy=False)
         scheme = _SCHEME.get(hdr.kind)
+        sent = []
+        with self._send_lock:
+            socks = [(p, self._push.get(p)) for p in peers]
+            socks = [(p, s) for p, s in socks if s is not None]
+            if not socks:
+                return
+            if self._signer is not None:
+                frames.append(self._signer.trailer(frames))
+            for p, sock in socks:
+                sock.send_multipart(frames, copy=False)
+                sent.append(p)
         if scheme is not None:
-            self.stats.add_bytes(hdr.layer, scheme, True, nbytes, self._network(peer))
-
-    def broadcast(self, peers: Iterable[PeerId], hdr: pb.Header,
-                  arrays: Sequence[np.ndarray] = ()) -> None:
-        for p in peers:
-            self.send(p, hdr, arrays)
+            for p in sent:
+                self.stats.add_bytes(hdr.layer, scheme, True, nbytes, self._network(p))
 
     def _network(self, peer: PeerId) -> bool:
         """True when traffic to ``peer`` leaves this node (worker r and shard r are one node)."""
@@ -182,11 +210,15 @@ class Endpoint:
                 if not poller.poll(100):
                     continue
                 frames = self._pull.recv_multipart(copy=False)
-            except zmq.ZMQError:
+            except zmq.ZMQError as e:
                 if self._stop.is_set():
                     return
-                raise
-            msg, reason = self._parse(frames)
+                self.fatal(f"{self.name}: the receive thread failed: {e}")
+                return
+            try:
+                msg, reason = self._parse(frames)
+            except Exception as e:  # nothing a peer sends may end this thread
+                msg, reason = None, f"unparsable message ({type(e).__name__}: {e})"
             if msg is None:
                 self._drop(reason)
                 continue
@@ -196,14 +228,27 @@ class Endpoint:
                 self.fatal(f"{self.name}: internal error handling a message from "
                            f"{self.name_of(msg.sender)}: {type(e).__name__}: {e}")
 
+    def _unauthenticated(self, reason: str) -> tuple[None, str]:
+        self.unauthenticated += 1
+        return None, reason
+
     def _drop(self, reason: str) -> None:
         self.dropped += 1
         if self.dropped <= 10 or self.dropped % 1000 == 0:  # a flood must not flood the log
             log.warning("%s: dropped a bad message (%d so far): %s", self.name, self.dropped, reason)
 
     def _parse(self, frames: list[zmq.Frame]) -> tuple[Message | None, str]:
-        if not frames or len(frames) > MAX_FRAMES + 1:
+        if not frames or len(frames) > MAX_FRAMES + 2:
             return None, f"{len(frames)} frames"
+        auth: tuple[bytes, int] | None = None
+        if self._verifier is not None:
+            if len(frames) < 2:
+                return self._unauthenticated("no authentication trailer")
+            checked = self._verifier.verify([f.buffer for f in frames[:-1]], frames[-1].buffer)
+            if isinstance(checked, str):
+                return self._unauthenticated(checked)
+            auth = checked
+            frames = frames[:-1]
         try:
             hdr = pb.Header.FromString(frames[0].bytes)
         except Exception:
@@ -216,20 +261,27 @@ class Endpoint:
         sender = (_ROLE[hdr.sender_role], hdr.sender)
         if sender not in self._last_seen:
             return None, f"unknown sender {sender[0]} {sender[1]}"
+        if auth is not None and self._verifier is not None:
+            replay = self._verifier.accept(sender, *auth)
+            if replay is not None:
+                return None, f"from {self.name_of(sender)}: {replay}"
         if len(hdr.arrays) != len(frames) - 1:
             return None, f"header lists {len(hdr.arrays)} arrays but {len(frames) - 1} frames came"
         arrays = []
         for meta, frame in zip(hdr.arrays, frames[1:]):
             if meta.dtype not in ALLOWED_DTYPES:
                 return None, f"dtype {meta.dtype!r} not allowed"
-            if any(d < 0 for d in meta.shape):
-                return None, f"negative shape {tuple(meta.shape)}"
+            shape = tuple(int(d) for d in meta.shape)
+            if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
+                return None, f"shape {shape} not allowed"
             dt = np.dtype(meta.dtype)
-            n = int(np.prod(meta.shape, dtype=np.int64)) if meta.shape else 1
             buf = frame.buffer
+            n = 1
+            for d in shape:  # Python ints: a product cannot wrap around
+                n *= d
             if n * dt.itemsize != len(buf):
-                return None, f"frame of {len(buf)} bytes for {meta.dtype}{tuple(meta.shape)}"
-            arrays.append(np.frombuffer(buf, dtype=dt, count=n).reshape(tuple(meta.shape)))
+                return None, f"frame of {len(buf)} bytes for {meta.dtype}{shape}"
+            arrays.append(np.frombuffer(buf, dtype=dt, count=n).reshape(shape))
         msg = Message(hdr, arrays)
         if hdr.kind in _SCHEME:
             if self.checker is None:
@@ -357,6 +409,11 @@ class Endpoint:
             return all(p in self._gone for p in self.peers if p[0] == role)
 
     def close(self, say_bye: bool = True) -> None:
+        if self.dropped:
+            log.warning("%s: dropped %d bad messages in all, %d of them failed authentication",
+                        self.name, self.dropped, self.unauthenticated)
+        self.stats.extra.update(dropped_messages=self.dropped,
+                                unauthenticated_messages=self.unauthenticated)
         if say_bye and self.error is None:
             self.broadcast([p for p in self.peers if p not in self._gone], header(pb.BYE))
         self._stop.set()

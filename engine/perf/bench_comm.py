@@ -2,8 +2,9 @@
 
 Two processes on loopback. For each message size, alternately:
 - Poseidon: a worker endpoint streams ``count`` PUSH messages of one float32 array to a shard
-  endpoint (the real transport: ZeroMQ, header parsing and checks), which answers the last one;
-  and a ping-pong of one message and a small answer, for latency;
+  endpoint (the real transport: ZeroMQ, authentication, header parsing and checks), which
+  answers the last one; and a ping-pong of one message and a small answer, for latency;
+- the same without authentication (its cost is the ratio of the two);
 - raw TCP: one socket, ``sendall`` of the same bytes into the peer's ``recv_into`` of a
   preallocated buffer, which answers with one byte.
 
@@ -39,13 +40,20 @@ class Row:
     poseidon_mb_s: float        # streaming
     tcp_mb_s: float
     repeats: int
+    unauthenticated_mb_s: float = 0.0  # the same transport without authentication
 
     @property
     def ratio(self) -> float:
         return self.poseidon_mb_s / self.tcp_mb_s if self.tcp_mb_s else 0.0
 
+    @property
+    def auth_cost(self) -> float:
+        """Throughput lost to authentication, as a fraction of the unauthenticated one."""
+        u = self.unauthenticated_mb_s
+        return 1.0 - self.poseidon_mb_s / u if u else 0.0
+
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ratio": self.ratio}
+        return {**asdict(self), "ratio": self.ratio, "auth_cost": self.auth_cost}
 
 
 def _count(nbytes: int) -> int:
@@ -62,11 +70,11 @@ def _hosts(base: int) -> list:
     return parse_hosts_text(f"127.0.0.1:{base}\n")
 
 
-def _zmq_server(base: int, ready: Any) -> None:
+def _zmq_server(base: int, key: bytes | None, ready: Any) -> None:
     """A shard endpoint: answers a PUSH whose chunk field is 1 with an empty SUM."""
     from engine.comm.transport import Endpoint, header
 
-    ep = Endpoint(SHARD, _hosts(base), [WORKER], timeout=300)
+    ep = Endpoint(SHARD, _hosts(base), [WORKER], key=key, timeout=300)
     ep.checker = lambda msg: None
 
     def on_push(msg: Any) -> None:
@@ -80,10 +88,10 @@ def _zmq_server(base: int, ready: Any) -> None:
 
 
 class _ZmqClient:
-    def __init__(self, base: int) -> None:
+    def __init__(self, base: int, key: bytes | None) -> None:
         from engine.comm.transport import Endpoint
 
-        self.ep = Endpoint(WORKER, _hosts(base), [SHARD], timeout=300)
+        self.ep = Endpoint(WORKER, _hosts(base), [SHARD], key=key, timeout=300)
         self.ep.checker = lambda msg: None
         self.round = 0
 
@@ -152,39 +160,46 @@ class _TcpClient:
 # ------------------------------------------------------------------------------ the bench
 def run(sizes: list[int] | None = None, budget: int = 5,
         say: Callable[[Row], None] | None = None) -> tuple[list[Row], Link]:
-    """Measure every size (Poseidon and TCP alternating); returns the rows and the fitted link."""
+    """Measure every size (Poseidon with and without authentication, and TCP, alternating);
+    returns the rows and the fitted link."""
+    from engine.comm.auth import new_key
+
     sizes = sizes or SIZES
     ctx = mp.get_context("fork")
-    base = free_base_port(2)
-    ready_z, ready_t = ctx.Event(), ctx.Event()
-    servers = [ctx.Process(target=_zmq_server, args=(base, ready_z), daemon=True),
-               ctx.Process(target=_tcp_server, args=(base + 2, ready_t), daemon=True)]
+    base = free_base_port(3)
+    key = new_key()
+    ready = [ctx.Event() for _ in range(3)]
+    servers = [ctx.Process(target=_zmq_server, args=(base, key, ready[0]), daemon=True),
+               ctx.Process(target=_zmq_server, args=(base + 2, None, ready[1]), daemon=True),
+               ctx.Process(target=_tcp_server, args=(base + 4, ready[2]), daemon=True)]
     for p in servers:
         p.start()
     try:
-        if not (ready_z.wait(30) and ready_t.wait(30)):
+        if not all(r.wait(30) for r in ready):
             raise RuntimeError("bench comm: the receiving processes did not start")
-        z, tcp = _ZmqClient(base), _TcpClient(base + 2)
+        z, plain, tcp = _ZmqClient(base, key), _ZmqClient(base + 2, None), _TcpClient(base + 4)
         rows, pp_points = [], []
         try:
             for nbytes in sizes:
                 payload = np.ones(max(nbytes // 4, 1), np.float32)
                 count, reps = _count(nbytes), _repeats(nbytes, budget)
-                zs, ts, pp = [], [], []
-                for _ in range(reps):  # alternate, so both see the same machine
+                zs, us, ts, pp = [], [], [], []
+                for _ in range(reps):  # alternate, so all see the same machine
                     zs.append(z.stream(payload, count))
                     ts.append(tcp.stream(payload, count))
+                    us.append(plain.stream(payload, count))
                     pp.append(z.stream(payload, 1))
                 total = payload.nbytes * count
                 row = Row(payload.nbytes, statistics.median(pp) / 2,
                           total / statistics.median(zs) / 1e6, total / statistics.median(ts) / 1e6,
-                          reps)
+                          reps, total / statistics.median(us) / 1e6)
                 rows.append(row)
                 pp_points.append((payload.nbytes, row.poseidon_one_way_s))
                 if say is not None:
                     say(row)
         finally:
             z.close()
+            plain.close()
             tcp.close()
     finally:
         for p in servers:

@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from engine.comm.auth import KEY_ENV, key_hex, new_key
+
 from .dag import Device, predict
 from .link import Link
 from .netinfo import net_info
@@ -176,6 +178,9 @@ def measure(solver: Path, workers: int, scheme: str, bits_per_s: float, compute:
     """One run: (period in scaled seconds, rank 0's stats, CPU utilisation, the link as
     measured: its latency and the goodput of one TCP stream)."""
     scale = time_scale if compute == "replay" else 1.0
+    # the ranks are started by hand, each in its namespace: hand them this run's key as a
+    # launcher would
+    env = {**os.environ, KEY_ENV: key_hex(new_key())}
     with tempfile.TemporaryDirectory(prefix="poseidon-bench-") as d:
         out = Path(d)
         copy = bench_solver(solver, out, warmup + iters)
@@ -196,7 +201,7 @@ def measure(solver: Path, workers: int, scheme: str, bits_per_s: float, compute:
                     cmd += ["--replay", str(trace_path), "--time-scale", f"{time_scale:g}"]
                 log = open(out / f"rank{r}.log", "w")
                 procs.append((cluster.run(r, cmd, stdout=subprocess.DEVNULL, stderr=log,
-                                          cwd=os.getcwd()), log))
+                                          cwd=os.getcwd(), env=env), log))
             deadline = time.monotonic() + timeout
             for r, (p, log) in enumerate(procs):
                 try:

@@ -37,6 +37,8 @@ class JobConfig:
     timeline: str | None = None
     #: each worker also writes its whole log, whatever its rank, to <log_dir>/rank<N>.log
     log_dir: str | None = None
+    #: the job key's file (the key itself never travels in this object: it is on command lines)
+    key_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.comm not in SCHEMES:
@@ -77,7 +79,7 @@ class JobConfig:
 
 
 _STR = ("solver", "hosts", "comm")
-_OPT_STR = ("snapshot", "stats", "replay", "timeline", "log_dir")
+_OPT_STR = ("snapshot", "stats", "replay", "timeline", "log_dir", "key_file")
 
 
 def _check(name: str, value: Any) -> None:

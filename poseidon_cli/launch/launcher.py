@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Any, Sequence
 
+from engine.comm.auth import KEY_ENV, job_key, key_hex, new_key
 from engine.comm.errors import CommError
 from engine.comm.hosts import HostEntry, is_local, local_addresses, parse_hosts
 
@@ -45,8 +46,10 @@ def worker_command(config: JobConfig, rank: int, gpu: int | None) -> list[str]:
 
 
 def ssh_command(entry: HostEntry, cmd: Sequence[str]) -> list[str]:
-    """Run ``cmd`` on ``entry``'s machine in the same directory (shared file system assumed)."""
-    remote = f"cd {shlex.quote(os.getcwd())} && exec {shlex.join(cmd)}"
+    """Run ``cmd`` on ``entry``'s machine in the same directory (shared file system assumed).
+    The job key comes on the first line of its standard input, never on a command line."""
+    remote = (f"cd {shlex.quote(os.getcwd())} && IFS= read -r {KEY_ENV} && export {KEY_ENV} "
+              f"&& exec {shlex.join(cmd)}")
     return ["ssh", "-o", "BatchMode=yes", "-o", "ServerAliveInterval=5", entry.host, remote]
 
 
@@ -91,6 +94,15 @@ def launch_all(config: JobConfig, entries: list[HostEntry], launch: str) -> None
         print(f"poseidon: {len(remote)} hosts are not this machine; start them with "
               f"`poseidon train ... --rank N` there (or use --launch ssh): "
               + ", ".join(f"rank {e.rank} at {e}" for e in remote), file=sys.stderr)
+    key = job_key(config.key_file)
+    if key is None:
+        if remote and launch != "ssh":
+            raise CommError(f"{len(remote)} hosts are not this machine and will be started by "
+                            "hand: they need this job's key. Make one with `poseidon keygen "
+                            "job.key`, copy it to every host and give --key-file job.key to "
+                            "every rank")
+        key = new_key()  # a fresh key per launch: an earlier run's messages cannot be replayed
+    env = {**os.environ, KEY_ENV: key_hex(key)}
     gpu_of = assign_gpus(entries, config.gpus)
     relay = ErrorRelay()
     effects = config.signal_effects
@@ -116,12 +128,18 @@ def launch_all(config: JobConfig, entries: list[HostEntry], launch: str) -> None
     try:
         for e in entries:
             cmd = worker_command(config, e.rank, gpu_of[e.rank])
-            if not is_local(e, local):
+            over_ssh = not is_local(e, local)
+            if over_ssh:
                 if launch != "ssh":
                     continue
                 cmd = ssh_command(e, cmd)
             # own session: Ctrl-C reaches the launcher only, which then stops everything
-            proc = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE)
+            proc = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE, env=env,
+                                    stdin=subprocess.PIPE if over_ssh else None)
+            if over_ssh:
+                assert proc.stdin is not None
+                proc.stdin.write((key_hex(key) + "\n").encode())
+                proc.stdin.close()
             relay.watch(proc)
             procs[f"worker {e.rank} ({e})"] = proc
         if not procs:

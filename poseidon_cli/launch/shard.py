@@ -2,35 +2,49 @@
 
 Its worker starts it and it lives and ends with that worker: it ignores SIGINT, SIGTERM and
 SIGHUP (the worker acts on those, and needs its shard to snapshot or stop at the agreed
-iteration), and ends when its peers say BYE or go silent.
+iteration), and ends when its peers say BYE or go silent. The job key comes in
+$POSEIDON_JOB_KEY, which its worker sets (never on the command line).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
+from engine.comm.auth import KEY_ENV, job_key, key_hex
 from engine.comm.errors import CommError
 
 #: after a fatal error, a process still busy computing is stopped this many seconds later
 EXIT_GRACE_S = 2.0
 
 
-def shard_command(index: int, hosts: str, timeout: float, timeline: str | None = None) -> list[str]:
+def shard_command(index: int, hosts: str, timeout: float, max_frame_bytes: int,
+                  timeline: str | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "poseidon_cli.launch.shard", "--hosts", hosts,
-           "--index", str(index), "--timeout", f"{timeout:g}"]
+           "--index", str(index), "--timeout", f"{timeout:g}",
+           "--max-frame-bytes", str(max_frame_bytes)]
     return cmd + (["--timeline", timeline] if timeline else [])
 
 
-def run_shard(index: int, hosts: str, timeout: float, timeline: str | None = None) -> int:
+def shard_env(key: bytes) -> dict[str, str]:
+    return {**os.environ, KEY_ENV: key_hex(key)}
+
+
+def run_shard(index: int, hosts: str, timeout: float, max_frame_bytes: int | None = None,
+              timeline: str | None = None) -> int:
     from engine.comm.hosts import parse_hosts
     from engine.comm.ps import ShardServer
 
     entries = parse_hosts(hosts)
+    key = job_key(None)
+    if key is None:
+        raise CommError(f"shard {index}: no job key in ${KEY_ENV} (its worker sets it)")
     if timeline is not None:
         from engine.perf import timeline as tl
         tl.start(timeline, f"shard {index}", f"shard{index}")
-    srv = ShardServer(index, entries, timeout=timeout, exit_grace=EXIT_GRACE_S)
+    srv = ShardServer(index, entries, key=key, timeout=timeout, exit_grace=EXIT_GRACE_S,
+                      max_frame_bytes=max_frame_bytes)
     try:
         srv.start()
         srv.serve()
@@ -51,13 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hosts", required=True)
     ap.add_argument("--index", type=int, required=True)
     ap.add_argument("--timeout", type=float, default=30.0)
+    ap.add_argument("--max-frame-bytes", type=int, default=None)
     ap.add_argument("--timeline", default=None)
     args = ap.parse_args(argv)
     for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
         if sig is not None:
             signal.signal(sig, signal.SIG_IGN)
     try:
-        return run_shard(args.index, args.hosts, args.timeout, args.timeline)
+        return run_shard(args.index, args.hosts, args.timeout, args.max_frame_bytes,
+                         args.timeline)
     except CommError as e:
         print(f"poseidon: error: {e}", file=sys.stderr)
         return 1

@@ -24,7 +24,12 @@ from ..progress import ProgressBar
 from ..signals import signal_requests
 from .config import JobConfig
 from .relay import ErrorRelay
-from .shard import EXIT_GRACE_S, shard_command
+from .shard import EXIT_GRACE_S, shard_command, shard_env
+
+NO_KEY = ("no job key: every process of a job authenticates its messages with one key. Make "
+          "one with `poseidon keygen job.key`, copy it to every host (mode 600) and give "
+          "--key-file job.key to every rank (or set $POSEIDON_JOB_KEY); a launcher that starts "
+          "all the workers itself (-n, --hosts with local entries, --launch ssh) makes one")
 
 
 def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int | None) -> None:
@@ -34,10 +39,14 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
     from engine.comm.planner import plan_layers, plan_table
     from engine.comm.ps import make_layout
     from engine.comm.stats import CommStats
-    from engine.comm.syncer import Syncer, open_worker
+    from engine.comm.auth import job_key
+    from engine.comm.syncer import Syncer, frame_limit, open_worker
     from engine.context import RunContext
     from engine.solver import Solver
 
+    key = job_key(config.key_file)
+    if key is None:
+        raise CommError(NO_KEY)
     if config.log_dir is not None:
         Path(config.log_dir).mkdir(parents=True, exist_ok=True)
         glog.add_file(str(Path(config.log_dir) / f"rank{rank}.log"))
@@ -78,8 +87,10 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
     if config.timeline is not None:
         from engine.perf import timeline as tl
         tl.start(config.timeline, f"worker {rank}", f"worker{rank}")
-    shard = subprocess.Popen(shard_command(rank, config.hosts, config.timeout, config.timeline),
-                             stderr=subprocess.PIPE)
+    max_frame = frame_limit(layout, slots)
+    shard = subprocess.Popen(shard_command(rank, config.hosts, config.timeout, max_frame,
+                                           config.timeline),
+                             stderr=subprocess.PIPE, env=shard_env(key))
     shard_errors: list[str] = []
     ep = None
 
@@ -91,8 +102,8 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
     relay = ErrorRelay(on_error=shard_failed)
     relay.watch(shard)
     try:
-        ep = open_worker(rank, entries, timeout=config.timeout, stats=stats,
-                         exit_grace=EXIT_GRACE_S,
+        ep = open_worker(rank, entries, key=key, timeout=config.timeout, stats=stats,
+                         exit_grace=EXIT_GRACE_S, max_frame_bytes=max_frame,
                          snapshot_hint=lambda: str(solver.last_snapshot or "none"))
         if shard_errors:
             ep.fatal(shard_errors[0])
