@@ -8,6 +8,7 @@ would have.
 """
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,11 +58,29 @@ def write_snapshot(solver: "Solver") -> tuple[Path, Path] | None:
     solver.wait_all()
     h5 = model.suffix == ".h5"
     glog.info(f"Snapshotting to {'HDF5' if h5 else 'binary proto'} file {model}")
-    save_net(solver.net, model, solver.param.snapshot_diff)
-    glog.info(f"Snapshotting solver state to {'HDF5' if h5 else 'binary proto'} file {state_path}")
-    write_solverstate(state_path, solver_state(solver, str(model)))
+    writing = model
+    try:
+        save_net(solver.net, model, solver.param.snapshot_diff)
+        glog.info(f"Snapshotting solver state to {'HDF5' if h5 else 'binary proto'} file "
+                  f"{state_path}")
+        writing = state_path
+        write_solverstate(state_path, solver_state(solver, str(model)))
+    except OSError as e:  # a full disk, a lost permission: say so, keep the previous snapshot
+        raise SolverError(f"cannot write snapshot {writing}: {describe_os_error(e)}; last "
+                          f"good snapshot: {solver.last_snapshot or 'none'}") from None
     solver.last_snapshot = state_path
     return model, state_path
+
+
+def describe_os_error(e: OSError) -> str:
+    """'No space left on device (ENOSPC)'; h5py's errors carry their text but no errno."""
+    text = e.strerror or str(e)
+    code = errno.errorcode.get(e.errno or 0)
+    if code is None:  # h5py: "Unable to create file (... errno = 28, error message = ...)"
+        for num, name in errno.errorcode.items():
+            if f"errno = {num}," in str(e):
+                code = name
+    return f"{text} ({code})" if code else text
 
 
 def solver_state(solver: "Solver", learned_net: str = "") -> Any:

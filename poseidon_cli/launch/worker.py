@@ -117,7 +117,14 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
         solver.attach_sync(Syncer(ep, slots, schemes, layout, solver.update_layer,
                                   on_round_done=report))
         with signal_requests(solver, config.signal_effects):
-            solver.solve(resume_file=config.snapshot)
+            try:
+                solver.solve(resume_file=config.snapshot)
+            except CommError:
+                raise
+            except Exception as e:  # e.g. a snapshot on a full disk: every rank stops, naming it
+                ep.fatal(f"{ep.name}: {e}")
+                ep.disarm()
+                raise
         solver.close()  # the last updates, the replica check, BYE; then the shard ends
         shard.wait(timeout=config.timeout)
         if shard.returncode:
