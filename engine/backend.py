@@ -116,13 +116,24 @@ def is_gpu_array(a: Any) -> bool:
     return _cupy is not None and isinstance(a, _cupy.ndarray)
 
 
-_rng = np.random.default_rng(1701)
+#: the seed of a solver whose random_seed is -1 (Caffe takes entropy; a fixed one keeps the
+#: replicas of a distributed run identical and every run repeatable)
+DEFAULT_SEED = 1701
+_rng = np.random.default_rng(DEFAULT_SEED)
 
 
 def seed(n: int | None) -> None:
     """Seed Poseidon's one random stream (the solver's random_seed); None = from entropy."""
     global _rng
     _rng = np.random.default_rng(None if n is None or n < 0 else n)
+
+
+def seed_iteration(root: int, rank: int, iteration: int) -> None:
+    """Draw what one training iteration draws (dropout masks...) from a stream of (root, rank,
+    iteration) alone: a run resumed at any iteration, from any snapshot, draws exactly what
+    the uninterrupted run drew, and no random state needs saving."""
+    global _rng
+    _rng = np.random.default_rng([root, rank, iteration])
 
 
 def rng() -> np.random.Generator:

@@ -11,7 +11,8 @@ numbers and the log (Caffe's tools parse the log). Two things go beyond Caffe:
 - **Exact resume.** The solverstate records the train data layers' stream positions
   (SolverState.data_position, a Poseidon field Caffe ignores); a Caffe solverstate, which has
   none, resumes where Caffe's uninterrupted run would be: iter * batch * iter_size
-  (engine/snapshots.py).
+  (engine/snapshots.py). Each iteration draws its randomness (dropout) from a stream of
+  (random_seed, rank, iteration) alone, so there is no random state to save.
 
 What is not the loop's job stays outside it, as in Caffe's caffe.cpp: signals and the
 terminal's progress bar belong to the CLI, which asks for snapshots and stops through
@@ -141,14 +142,13 @@ class Solver:
         self.rule = make_rule(param)
         glog.info("Initializing solver from parameters: \n" + str(param))
 
-        # Every replica must start from the same weights: build with the solver's seed,
-        # then give each rank its own stream for dropout and the like (Caffe: seed + rank).
+        # Every replica must start from the same weights: build with the solver's seed; each
+        # iteration then draws from its own stream of (seed, rank, iteration) (see step)
         if param.random_seed >= 0:
             backend.seed(param.random_seed)
+        self._random_root = param.random_seed if param.random_seed >= 0 else backend.DEFAULT_SEED
         self.net = self._build_train_net()
         self.test_nets = self._build_test_nets()
-        if param.random_seed >= 0 and self.context.rank:
-            backend.seed(param.random_seed + self.context.rank)
         glog.info("Solver scaffolding done.")
 
         n = len(self.net.learnable_params)
@@ -422,6 +422,7 @@ class Solver:
                 if self._early_exit:
                     break
             display = bool(p.display) and self.iter % p.display == 0
+            backend.seed_iteration(self._random_root, self.context.rank, self.iter)
             loss = self._forward_backward()
             self._update_smoothed_loss(loss, start_iter)
             if display:
