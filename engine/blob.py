@@ -1,11 +1,59 @@
-"""Blob: a named pair of arrays (data and diff) with Caffe's shape helpers."""
+"""Blob: a named pair of arrays (data and diff) with Caffe's shape helpers.
+
+Every allocation is checked first against the memory this machine has (RAM available plus
+free swap): a net that cannot fit fails with one line naming the blob and the bytes, before
+anything is allocated, instead of a MemoryError traceback or a machine swapping to death.
+"""
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any, Sequence
 
 import numpy as np
 
 from . import backend
+
+
+class BlobTooLarge(ValueError):
+    """A blob (or a net) needs more memory than the machine has."""
+
+
+@functools.lru_cache(maxsize=1)
+def available_bytes() -> int | None:
+    """MemAvailable + SwapFree (Linux), read once per process; None where unknown."""
+    try:
+        fields = dict(line.split(":", 1) for line in open("/proc/meminfo").read().splitlines())
+        return sum(int(fields[k].split()[0]) * 1024 for k in ("MemAvailable", "SwapFree"))
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def fmt_bytes(n: int) -> str:
+    for unit, size in (("TB", 1 << 40), ("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def check_fits(what: str, nbytes: int) -> None:
+    """Raise BlobTooLarge when ``nbytes`` more would not fit in this machine's memory."""
+    limit = available_bytes()
+    if limit is not None and nbytes > limit:
+        raise BlobTooLarge(f"{what} needs {fmt_bytes(nbytes)}, more than the "
+                           f"{fmt_bytes(limit)} of memory this machine has available "
+                           "(RAM + swap)")
+
+
+def _checked_shape(name: str, shape: Sequence[int], dtype: Any, xp: Any) -> tuple[int, ...]:
+    shape = tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"blob {name!r}: negative dimension in shape {shape}")
+    if xp is np:  # a GPU's memory is CuPy's to report
+        n = math.prod(shape)  # Python ints: no wrap-around
+        check_fits(f"blob {name!r} of shape {shape} (data and diff)",
+                   2 * n * np.dtype(dtype).itemsize)
+    return shape
 
 
 class Blob:
@@ -21,7 +69,7 @@ class Blob:
                  name: str = ""):
         xp = xp if xp is not None else backend.xp_default()
         self.name = name
-        self.data = xp.zeros(tuple(int(s) for s in shape), dtype=dtype)
+        self.data = xp.zeros(_checked_shape(name, shape, dtype, xp), dtype=dtype)
         self.diff = xp.zeros(self.data.shape, dtype=dtype)  # zeros_like writes every page; zeros need not
 
     @property
@@ -55,10 +103,9 @@ class Blob:
         shape = tuple(int(s) for s in shape)
         if shape == self.shape:
             return
-        if any(s < 0 for s in shape):
-            raise ValueError(f"blob {self.name!r}: negative dimension in shape {shape}")
         xp = backend.get_array_module(self.data)
-        n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        shape = _checked_shape(self.name, shape, self.data.dtype, xp)
+        n = math.prod(shape)
         if n == self.data.size:
             self.data = self.data.reshape(shape)
             self.diff = self.diff.reshape(shape)

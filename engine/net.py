@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from . import backend
-from .blob import Blob
+from .blob import Blob, BlobTooLarge, check_fits
 from .context import RunContext
 from .layers import Layer, LayerError, create_layer
 from .perf import timeline
@@ -186,6 +186,8 @@ class Net:
         available: list[str] = []
         owners: dict[str, tuple[Blob, int]] = {}  # shared param name -> (blob, learnable idx)
         layer_need_backward: list[bool] = []
+        counted: set[int] = set()  # addresses of the arrays whose bytes are in ``allocated``
+        allocated = 0
 
         for li, lp in enumerate(self.param.layer):
             if len(lp.propagate_down) and len(lp.propagate_down) != len(lp.bottom):
@@ -226,8 +228,22 @@ class Net:
                          for _ in range(needed - len(tops))]
 
             layer.check_blob_counts(bottoms, tops)
-            layer.setup(bottoms, tops)
-            layer.reshape(bottoms, tops)
+            try:
+                layer.setup(bottoms, tops)
+                layer.reshape(bottoms, tops)
+            except BlobTooLarge as e:
+                raise NetError(f"layer '{lp.name}' ({lp.type}): {e}") from None
+            if xp is np:  # the whole net so far must fit too, not only each blob
+                for b in [*tops, *layer.blobs]:
+                    for a in (b.data, b.diff):
+                        if a.ctypes.data not in counted:  # views (in place, reshaped) once
+                            counted.add(a.ctypes.data)
+                            allocated += a.nbytes
+                try:
+                    check_fits(f"the net up to layer '{lp.name}' (its blobs and parameters)",
+                               allocated)
+                except BlobTooLarge as e:
+                    raise NetError(str(e)) from None
             if not layer.param_propagate_down or len(layer.param_propagate_down) != len(layer.blobs):
                 layer.param_propagate_down = [True] * len(layer.blobs)
 

@@ -105,6 +105,11 @@ def user_errors() -> Iterator[None]:
         if os.environ.get("POSEIDON_DEBUG"):
             raise
         fail(str(e) or type(e).__name__)
+    except MemoryError as e:  # what the up-front size checks could not foresee
+        if os.environ.get("POSEIDON_DEBUG"):
+            raise
+        fail(f"out of memory{': ' + str(e) if str(e) else ''} (a smaller batch, or a machine "
+             "with more memory?)")
 
 
 def fail(message: str, code: int = 1) -> NoReturn:

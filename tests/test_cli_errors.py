@@ -37,6 +37,12 @@ def one_line_error(done: subprocess.CompletedProcess, *needles: str) -> None:
     (GOOD.replace("InnerProduct\"", "InnerProdukt\""), ["layer 'ip'", "InnerProdukt"]),
     (GOOD.replace("bottom: \"x\" top: \"z\"", "bottom: \"w\" top: \"z\""), ["layer 'ip'", "'w'"]),
     (GOOD + "layer {", ["bad.prototxt:", ]),
+    # sizes past the machine's memory, checked before anything is allocated (shapes in Python
+    # ints: 2**32 x 3 does not wrap)
+    (GOOD.replace("dim: 2 dim: 3 }", "dim: 4294967296 dim: 3000 }"),
+     ["layer 'in' (Input)", "(4294967296, 3000)", "more than", "available"]),
+    (GOOD.replace("num_output: 4", "num_output: 2000000000").replace("dim: 3 }", "dim: 1000 }"),
+     ["layer 'ip' (InnerProduct)", "(2000000000, 1000)", "more than"]),
 ])
 def test_bad_net_files(tmp_path, text, needles):
     net = tmp_path / "bad.prototxt"

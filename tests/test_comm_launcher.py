@@ -119,3 +119,37 @@ def test_bind_describes_layers_and_factors_rebuild_the_gradient(tmp_path):
     schemes = {p.info.layer: p.scheme for p in plans}
     assert [p.scheme for p in plans] == ["sfb", "sfb", "ps"]
     assert [p.index for p in ps_params(slots, schemes)] == [p.index for p in by_name["scale"].params]
+
+
+def test_ssh_launch_hands_the_job_key_over_stdin(tmp_path, monkeypatch):
+    """--launch ssh, with an `ssh` that runs the remote command here: rank 1 gets the key the
+    launcher made on its standard input (not in its environment, not on a command line), and
+    the two ranks train together."""
+    import os
+    import re
+
+    from engine.comm.auth import KEY_ENV
+    from engine.data.converters import convert_digits
+    from poseidon_cli.launch import launcher
+    from tests.test_comm_train import write_hosts, write_run
+
+    convert_digits(tmp_path / "db")
+    solver = write_run(tmp_path, tmp_path / "db" / "digits_train_lmdb", 16, "ssh", iters=5)
+    hosts, _ = write_hosts(tmp_path, 2)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    seen = tmp_path / "ssh_args"
+    fake = bin_dir / "ssh"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {seen}\n'
+                    f'[ -z "${KEY_ENV}" ] || {{ echo "key in the environment" >&2; exit 9; }}\n'
+                    'for last; do :; done\nexec sh -c "$last"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    monkeypatch.setattr(launcher, "is_local", lambda e, local=None: e.rank == 0)
+    config = JobConfig(str(solver), str(hosts), timeout=20.0)
+    launcher.run(config, launch="ssh")
+    args = seen.read_text()
+    assert "--rank 1" in args and "--rank 0" not in args
+    assert f"read -r {KEY_ENV}" in args and not re.search(r"[0-9a-f]{64}", args)
+    assert (tmp_path / "ssh_iter_5.caffemodel").is_file()

@@ -102,7 +102,8 @@ def launch_all(config: JobConfig, entries: list[HostEntry], launch: str) -> None
                             "job.key`, copy it to every host and give --key-file job.key to "
                             "every rank")
         key = new_key()  # a fresh key per launch: an earlier run's messages cannot be replayed
-    env = {**os.environ, KEY_ENV: key_hex(key)}
+    plain_env = {k: v for k, v in os.environ.items() if k != KEY_ENV}  # ssh: the key goes on stdin
+    env = {**plain_env, KEY_ENV: key_hex(key)}
     gpu_of = assign_gpus(entries, config.gpus)
     relay = ErrorRelay()
     effects = config.signal_effects
@@ -134,7 +135,8 @@ def launch_all(config: JobConfig, entries: list[HostEntry], launch: str) -> None
                     continue
                 cmd = ssh_command(e, cmd)
             # own session: Ctrl-C reaches the launcher only, which then stops everything
-            proc = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE, env=env,
+            proc = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE,
+                                    env=plain_env if over_ssh else env,
                                     stdin=subprocess.PIPE if over_ssh else None)
             if over_ssh:
                 assert proc.stdin is not None
