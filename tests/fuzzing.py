@@ -264,12 +264,46 @@ def outcome(target: Target, data: bytes) -> tuple[str, str]:
     return "ok", ""
 
 
+def cli_outcomes(targets: dict[str, Target], cases: int, seed: int, tmp: Path) -> Counter[str]:
+    """Mutated nets and weights through the real CLI (`poseidon time --model`, `poseidon
+    convert --info`): a traceback, a hang or an exit without its one ``poseidon: error:`` line
+    is a finding."""
+    import subprocess
+
+    rng = random.Random(f"{seed}:cli")
+    counts: Counter[str] = Counter()
+    for k in range(cases):
+        if k % 2 == 0:
+            net = _file(tmp, "cli.prototxt", targets["prototxt"].mutate(rng))
+            args = ["time", "--model", str(net), "--iterations", "1"]
+        else:
+            weights = _file(tmp, "cli.caffemodel", targets["caffemodel"].mutate(rng))
+            args = ["convert", "--info", str(weights)]
+        try:
+            done = subprocess.run([sys.executable, "-m", "poseidon_cli.main", *args], cwd=ROOT,
+                                  capture_output=True, text=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            counts["hang"] += 1
+            continue
+        if "Traceback" in done.stderr:
+            counts["traceback"] += 1
+        elif done.returncode == 0:
+            counts["ok"] += 1
+        elif sum(line.startswith("poseidon: error:") for line in done.stderr.splitlines()) == 1:
+            counts["clean"] += 1
+        else:
+            counts["unclear exit"] += 1
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.fuzzing", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", type=int, default=10000, help="inputs per target")
     ap.add_argument("--target", action="append", help="only these (default: all)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--cli", type=int, default=0,
+                    help="also run this many mutated nets and weights through the CLI")
     ap.add_argument("--json", default=None, help="write the counts here")
     args = ap.parse_args(argv)
     import logging
@@ -304,6 +338,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"({report[name]['seconds']} s)", flush=True)
             for f in findings:
                 print(f"    {f}")
+        if args.cli:
+            counts = cli_outcomes(targets, args.cli, args.seed, Path(d))
+            report["cli"] = dict(counts)
+            bad += counts["traceback"] + counts["hang"] + counts["unclear exit"]
+            print(f"cli          {args.cli} runs of time/convert: {counts['ok']} ran, "
+                  f"{counts['clean']} one-line errors, {counts['traceback']} tracebacks, "
+                  f"{counts['hang']} hangs, {counts['unclear exit']} unclear exits", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 1 if bad else 0
