@@ -79,6 +79,12 @@ def comm(sizes: str, repeats: int, workers: str, json_path: str | None,
         fail(f"bench comm: {e}")
     click.echo(f"fit: alpha = {link.alpha_s * 1e6:.1f} us, beta = {link.beta_s_per_byte * 1e9:.4f} "
                f"ns/byte ({link.bits_per_s / 1e9:.2f} Gbit/s)")
+    from engine.perf.bench_comm import auth_bytes_per_s
+    auth = auth_bytes_per_s()
+    wire_10g = (64 << 20) / 1.25e9
+    click.echo(f"authentication (AES-GMAC): {auth / 1e9:.1f} GB/s on one core: a 64 MB message "
+               f"costs {(64 << 20) / auth * 1e3:.1f} ms on each side, "
+               f"{(64 << 20) / auth / wire_10g:.1%} of its {wire_10g * 1e3:.0f} ms on 10 GbE")
     size = max(chosen)
     table = scheme_times(link, size, counts)
     click.echo(f"per-node time to synchronise {size} bytes on this link:")
@@ -90,4 +96,4 @@ def comm(sizes: str, repeats: int, workers: str, json_path: str | None,
     if json_path:
         Path(json_path).write_text(json.dumps(
             {"machine": cpu_name_and_blas(), "rows": [r.as_dict() for r in rows], "link": link.as_dict(),
-             "schemes": table}, indent=1) + "\n")
+             "auth_bytes_per_s": auth, "schemes": table}, indent=1) + "\n")

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from .errors import CommError
 
@@ -40,6 +41,8 @@ TAG_BYTES = 16
 TRAILER_BYTES = SESSION_BYTES + 8 + TAG_BYTES
 _MAGIC = b"poseidon-gmac-v1"
 _SESSIONS_KEPT = 1024  # derived keys cached; a job has two sessions per node
+#: below this many bytes a message is joined and tagged in one call (3 us instead of 10)
+_ONE_CALL_BYTES = 1 << 18
 
 
 def new_key() -> bytes:
@@ -104,20 +107,30 @@ def job_key(key_file: str | None, environ: Mapping[str, str] | None = None) -> b
     return parse_key(text, f"${KEY_ENV}") if text.strip() else None
 
 
-def _derive(key: bytes, session: bytes) -> bytes:
-    return hmac.new(key, _MAGIC + session, "sha256").digest()
+class _SessionKey:
+    """AES-256 key of one session (HMAC-SHA256 of the job key and the session id)."""
 
+    def __init__(self, key: bytes, session: bytes) -> None:
+        self.key = hmac.new(key, _MAGIC + session, "sha256").digest()
+        self.aead = AESGCM(self.key)
 
-def _tag(session_key: bytes, counter: int, frames: Sequence[object]) -> bytes:
-    enc = Cipher(algorithms.AES(session_key), modes.GCM(counter.to_bytes(12, "big"))).encryptor()
-    enc.authenticate_additional_data(_MAGIC + struct.pack("<I", len(frames)))
-    for f in frames:
-        n = memoryview(f).nbytes  # type: ignore[arg-type]
-        enc.authenticate_additional_data(struct.pack("<Q", n))
-        if n:
-            enc.authenticate_additional_data(f)  # type: ignore[arg-type]
-    enc.finalize()
-    return enc.tag
+    def tag(self, counter: int, frames: Sequence[object]) -> bytes:
+        """GMAC of the frames, their count and lengths; the same tag whichever way computed:
+        small messages in one call, large ones streamed without a copy."""
+        nonce = counter.to_bytes(12, "big")
+        views = [memoryview(f) for f in frames]  # type: ignore[arg-type]
+        head = _MAGIC + struct.pack("<I", len(views))
+        if sum(v.nbytes for v in views) <= _ONE_CALL_BYTES:
+            aad = head + b"".join(struct.pack("<Q", v.nbytes) + v.tobytes() for v in views)
+            return self.aead.encrypt(nonce, b"", aad)
+        enc = Cipher(algorithms.AES(self.key), modes.GCM(nonce)).encryptor()
+        enc.authenticate_additional_data(head)
+        for v in views:
+            enc.authenticate_additional_data(struct.pack("<Q", v.nbytes))
+            if v.nbytes:
+                enc.authenticate_additional_data(v)
+        enc.finalize()
+        return enc.tag
 
 
 class Signer:
@@ -125,13 +138,13 @@ class Signer:
 
     def __init__(self, key: bytes) -> None:
         self.session = os.urandom(SESSION_BYTES)
-        self._key = _derive(key, self.session)
+        self._key = _SessionKey(key, self.session)
         self._counter = 0
 
     def trailer(self, frames: Sequence[object]) -> bytes:
         self._counter += 1
         return (self.session + struct.pack(">Q", self._counter)
-                + _tag(self._key, self._counter, frames))
+                + self._key.tag(self._counter, frames))
 
 
 class Verifier:
@@ -139,7 +152,7 @@ class Verifier:
 
     def __init__(self, key: bytes) -> None:
         self._key = key
-        self._derived: OrderedDict[bytes, bytes] = OrderedDict()
+        self._derived: OrderedDict[bytes, _SessionKey] = OrderedDict()
         self._last: dict[object, tuple[bytes, int]] = {}
 
     def verify(self, frames: Sequence[object], trailer: object) -> tuple[bytes, int] | str:
@@ -151,8 +164,8 @@ class Verifier:
         n = struct.unpack(">Q", counter)[0]
         key = self._derived.get(session)
         if key is None:
-            key = _derive(self._key, session)
-        if not hmac.compare_digest(_tag(key, n, frames), tag):
+            key = _SessionKey(self._key, session)
+        if not hmac.compare_digest(key.tag(n, frames), tag):
             return "failed authentication (forged, altered, or sent with another job's key)"
         if session not in self._derived:  # cache only what authenticated
             self._derived[session] = key

@@ -209,6 +209,22 @@ def run(sizes: list[int] | None = None, budget: int = 5,
     return rows, fit_link(pp_points)
 
 
+def auth_bytes_per_s(nbytes: int = 64 << 20, repeats: int = 5) -> float:
+    """One core's speed at authenticating a message (engine/comm/auth.py), median of
+    ``repeats``: each side of a link pays nbytes / this per message."""
+    from engine.comm.auth import Signer, new_key
+
+    payload = np.ones(nbytes // 4, np.float32)
+    frames = [b"header", memoryview(payload).cast("B")]
+    signer = Signer(new_key())
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        signer.trailer(frames)
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times)
+
+
 def cpu_name_and_blas() -> str:
     """The CPU model, core count and the BLAS numpy uses (what a speed depends on)."""
     import os
