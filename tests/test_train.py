@@ -117,6 +117,20 @@ def test_resume_is_bit_identical(tiny, kind, fmt):
     assert np.array_equal(w["ip2"][0], params(resumed)[2])
 
 
+@pytest.mark.parametrize("seed", [7, -1])
+def test_resume_with_dropout_is_bit_identical(tiny, seed):
+    """Dropout draws from a stream of (seed, rank, iteration): the masks after a resume are
+    the uninterrupted run's (also with random_seed -1, Poseidon's fixed default)."""
+    (tiny / "tiny.prototxt").write_text(TINY_NET.replace(
+        'layer { name: "ip2"', 'layer { name: "drop1" type: "Dropout" bottom: "ip1" top: "ip1" }\n'
+        'layer { name: "ip2"'))
+    path = write_solver(tiny, random_seed=seed)
+    straight = train(path)
+    resumed = train(path, resume=tiny / "snap" / "tiny_iter_6.solverstate")
+    for a, b in zip(params(straight), params(resumed)):
+        assert np.array_equal(a, b)
+
+
 def test_caffe_state_without_position_resumes_at_iter_times_batch(tiny):
     path = write_solver(tiny)
     straight = train(path)
