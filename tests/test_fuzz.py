@@ -20,9 +20,14 @@ FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
 
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
-    logging.getLogger("poseidon.comm").setLevel(logging.ERROR)  # the dropped-message warnings
-    with make_targets(tmp_path_factory.mktemp("fuzz")) as made:
-        yield made
+    comm = logging.getLogger("poseidon.comm")
+    level = comm.level
+    comm.setLevel(logging.ERROR)  # the dropped-message warnings, by the hundred
+    try:
+        with make_targets(tmp_path_factory.mktemp("fuzz")) as made:
+            yield made
+    finally:
+        comm.setLevel(level)
 
 
 @pytest.mark.parametrize("name", TARGETS)
