@@ -1,5 +1,5 @@
 """Caffe's "common" layers: InnerProduct, Concat, Slice, Split, Flatten, Reshape, Eltwise,
-Softmax, Silence and ArgMax.
+Softmax, Silence, ArgMax, Tile, Reduction, Parameter, BatchReindex, Filter and Embed.
 
 Every layer computes what BVLC Caffe 1.0 computes, with one array code path for NumPy
 and CuPy (``xp``). Reshape and Flatten do not copy: their top is a view of the bottom.
@@ -8,6 +8,7 @@ weight gradient (see ``InnerProductLayer.sufficient_factors``).
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 from .. import backend
@@ -549,3 +550,305 @@ class ArgMaxLayer(Layer):
         t[:, 0, :] = idx
         if self.out_max_val:
             t[:, 1, :] = xp.take_along_axis(rows, idx, axis=-1)
+
+
+# ---------------------------------------------------------------------------------------
+def _row_indices(layer: Layer, values: Any, limit: int, what: str, whole: bool) -> Any:
+    """Index-valued data as integers, Caffe's static_cast<int> (truncation), after checking
+    every value lies in [0, ``limit``) and, with ``whole``, is a whole number."""
+    xp = backend.get_array_module(values)
+    flat = values.reshape(-1)
+    # written so that NaN counts as bad
+    bad = ~((flat >= 0) & (flat < limit))
+    if whole:
+        bad |= flat != xp.trunc(flat)
+    if bool(bad.any()):
+        k = int(xp.flatnonzero(bad)[0])
+        kind = "a whole number " if whole else ""
+        raise layer.fail(f"{what} {float(flat[k]):g} at position {k} is not {kind}in "
+                         f"[0, {limit})")
+    return flat.astype(xp.int64)
+
+
+def _scatter_add_rows(target: Any, index: Any, rows: Any) -> None:
+    """``target[index[i]] += rows[i]`` for every i, repeated indices adding up (Caffe's loop
+    of axpys). Plain fancy ``+=`` would keep only one of the repeats, and ``ufunc.at`` is
+    not in every CuPy; one bincount over the distinct indices works in NumPy and CuPy and
+    needs no temporary larger than ``rows``."""
+    xp = backend.get_array_module(rows)
+    distinct, slot = xp.unique(index, return_inverse=True)
+    width = rows.shape[1]
+    flat = (slot.reshape(-1, 1) * width + xp.arange(width)).reshape(-1)
+    sums = xp.bincount(flat, weights=rows.reshape(-1), minlength=distinct.size * width)
+    target[distinct] += sums.reshape(distinct.size, width).astype(target.dtype, copy=False)
+
+
+@register("Tile")
+class TileLayer(Layer):
+    """Repeats the bottom ``tiles`` times along ``axis``: for each index of the dims before
+    ``axis``, the whole block of the dims from ``axis`` on is copied ``tiles`` times."""
+
+    exact_num_bottoms = 1
+    exact_num_tops = 1
+
+    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        p = self.param.tile_param
+        if not p.HasField("tiles"):
+            raise self.fail("tile_param.tiles (the number of copies) must be given")
+        if p.tiles <= 0:
+            raise self.fail(f"tile_param.tiles must be positive, got {p.tiles}")
+        self.tiles = p.tiles
+
+    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        axis = _canonical(self, bottom[0], self.param.tile_param.axis)
+        s = bottom[0].shape
+        self.outer, self.inner = bottom[0].count_range(0, axis), bottom[0].count_range(axis)
+        top[0].reshape(s[:axis] + (s[axis] * self.tiles,) + s[axis + 1:])
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        y = top[0].data.reshape(self.outer, self.tiles, self.inner)
+        y[...] = bottom[0].data.reshape(self.outer, 1, self.inner)
+
+    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        if propagate_down[0]:
+            dy = top[0].diff.reshape(self.outer, self.tiles, self.inner)
+            dy.sum(axis=1, out=bottom[0].diff.reshape(self.outer, self.inner))
+
+
+@register("Reduction")
+class ReductionLayer(Layer):
+    """One number per index of the dims before ``axis``, reducing all the dims from ``axis``
+    on: SUM, ASUM (sum of |x|), SUMSQ (sum of x^2) or MEAN, times ``coeff``. The top's shape
+    is the bottom's dims before ``axis``: a scalar for the default axis 0."""
+
+    exact_num_bottoms = 1
+    exact_num_tops = 1
+
+    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        p = self.param.reduction_param
+        self.op = p.operation
+        if self.op not in (p.SUM, p.ASUM, p.SUMSQ, p.MEAN):
+            raise self.fail(f"unknown reduction_param.operation {self.op}")
+
+    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        p = self.param.reduction_param
+        axis = _canonical(self, bottom[0], p.axis)
+        self.num, self.dim = bottom[0].count_range(0, axis), bottom[0].count_range(axis)
+        top[0].reshape(bottom[0].shape[:axis])
+        self.coeff = float(p.coeff)
+        if self.op == p.MEAN:
+            # C++ float division: an empty mean is coeff * 0 / 0, NaN, not an exception
+            self.coeff = self.coeff / self.dim if self.dim else math.inf
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        xp = backend.get_array_module(bottom[0].data)
+        p = self.param.reduction_param
+        x = bottom[0].data.reshape(self.num, self.dim)
+        y = top[0].data.reshape(self.num)
+        if self.op == p.ASUM:
+            x = xp.abs(x)
+        elif self.op == p.SUMSQ:
+            x = x * x
+        x.sum(axis=1, out=y)
+        if self.coeff != 1:
+            y *= y.dtype.type(self.coeff)
+
+    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        if not propagate_down[0]:
+            return
+        xp = backend.get_array_module(top[0].diff)
+        p = self.param.reduction_param
+        scale = top[0].diff.reshape(self.num, 1) * top[0].dtype.type(self.coeff)
+        x = bottom[0].data.reshape(self.num, self.dim)
+        dx = bottom[0].diff.reshape(self.num, self.dim)
+        if self.op == p.ASUM:
+            xp.multiply(xp.sign(x), scale, out=dx)
+        elif self.op == p.SUMSQ:
+            xp.multiply(x, 2 * scale, out=dx)
+        else:
+            dx[...] = scale
+
+
+@register("Parameter")
+class ParameterLayer(Layer):
+    """Outputs its one parameter blob, of ``parameter_param.shape`` (zeros until trained or
+    loaded). The top's data is the parameter's array itself, as in Caffe, so nothing is
+    copied; the top keeps its own diff, which backward adds into the parameter's (Caffe
+    shares the diff too, which a consumer then overwrites rather than accumulates, so it
+    would lose all but the last pass of iter_size)."""
+
+    exact_num_bottoms = 0
+    exact_num_tops = 1
+
+    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        dims = list(self.param.parameter_param.shape.dim)
+        if any(d < 0 for d in dims):
+            raise self.fail(f"parameter_param.shape {dims}: dims must be >= 0")
+        xp = backend.get_array_module(top[0].data)
+        self.blobs = [Blob(dims, dtype=top[0].dtype, xp=xp, name=f"{self.name}/0")]
+        self.param_propagate_down = [True]
+
+    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        t, w = top[0], self.blobs[0]
+        t.data = w.data
+        if t.diff.shape != w.shape or t.diff.dtype != w.dtype:
+            t.diff = backend.get_array_module(w.data).zeros_like(w.data)
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        # again each pass: the Net may have swapped in a shared or loaded blob since reshape
+        self.reshape(bottom, top)
+
+    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        if self.param_propagate_down[0]:
+            self.blobs[0].diff += top[0].diff
+
+
+@register("BatchReindex")
+class BatchReindexLayer(Layer):
+    """``top[i] = bottom0[int(bottom1[i])]`` along the first axis: selects, reorders or
+    repeats the items of a batch. The gradient sums back into every item picked; the index
+    bottom (1 axis, values in [0, num)) takes none."""
+
+    exact_num_bottoms = 2
+    exact_num_tops = 1
+
+    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        if bottom[1].num_axes() != 1:
+            raise self.fail(f"the index bottom must have 1 axis, got shape {bottom[1].shape}")
+        if bottom[0].num_axes() < 1:
+            raise self.fail("bottom 0 needs a first (batch) axis to index, got a scalar")
+        top[0].reshape(bottom[1].shape[:1] + bottom[0].shape[1:])
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        self._index = _row_indices(self, bottom[1].data, bottom[0].shape[0], "index",
+                                   whole=False)
+        top[0].data[...] = bottom[0].data[self._index]
+
+    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        if propagate_down[1]:
+            raise self.fail("cannot backpropagate to the index bottom (bottom 1)")
+        if not propagate_down[0]:
+            return
+        inner = bottom[0].count_range(1)
+        dx = bottom[0].diff.reshape(bottom[0].shape[0], inner)
+        dx[...] = 0
+        _scatter_add_rows(dx, self._index, top[0].diff.reshape(self._index.size, inner))
+
+    def allow_force_backward(self, bottom_index: int) -> bool:
+        return bottom_index == 0
+
+
+@register("Filter")
+class FilterLayer(Layer):
+    """Keeps the items (first axis) whose selector, the last bottom, is nonzero: top i gets
+    those items of bottom i. The selector's dims after the first must be 1; it takes no
+    gradient, and the items filtered out get a zero one.
+
+    As in Caffe, the tops get the full batch size at the first reshape (setup, before the
+    selector holds data) and the kept items' count at every reshape after that.
+    """
+
+    min_bottoms = 2
+    min_tops = 1
+
+    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        if len(top) != len(bottom) - 1:
+            raise self.fail(f"needs one top per bottom to filter (all bottoms but the last, "
+                            f"the selector): {len(bottom) - 1} to filter, {len(top)} tops")
+        self.selector = len(bottom) - 1
+        self._first_reshape = True
+
+    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        sel = bottom[self.selector]
+        if sel.num_axes() < 1 or any(d != 1 for d in sel.shape[1:]):
+            raise self.fail(f"the selector (last bottom) must be (N, 1, ...) with every dim "
+                            f"after the first 1, got shape {sel.shape}")
+        num = sel.shape[0]
+        for i, b in enumerate(bottom[:self.selector]):
+            if b.num_axes() < 1 or b.shape[0] != num:
+                raise self.fail(f"bottom {i} has shape {b.shape}; its first dim must equal "
+                                f"the selector's {num}")
+        xp = backend.get_array_module(sel.data)
+        self.kept = xp.flatnonzero(sel.data.reshape(-1))
+        if self._first_reshape:
+            self._first_reshape = False
+        else:
+            num = int(self.kept.size)
+        for t, b in zip(top, bottom):
+            t.reshape((num,) + b.shape[1:])
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        for t, b in zip(top, bottom):
+            # the first reshape's full size, when no reshape came between setup and here
+            t.reshape((self.kept.size,) + b.shape[1:])
+            t.data[...] = b.data[self.kept]
+
+    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        if propagate_down[self.selector]:
+            raise self.fail(f"cannot backpropagate to the selector (bottom {self.selector})")
+        for t, b, down in zip(top, bottom, propagate_down):
+            if down:
+                b.diff[...] = 0
+                b.diff[self.kept] = t.diff
+
+    def allow_force_backward(self, bottom_index: int) -> bool:
+        return bottom_index != self.selector
+
+
+@register("Embed")
+class EmbedLayer(Layer):
+    """A lookup table: each bottom value is a row index into the (input_dim, num_output)
+    weight, and the top, of shape bottom shape + (num_output,), holds that row plus the
+    bias. InnerProduct on one-hot inputs, with the weight stored transposed; the index
+    bottom takes no gradient."""
+
+    exact_num_bottoms = 1
+    exact_num_tops = 1
+
+    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        p = self.param.embed_param
+        if p.num_output <= 0:
+            raise self.fail("embed_param.num_output must be positive")
+        if p.input_dim <= 0:
+            raise self.fail("embed_param.input_dim (1 + the largest index) must be positive")
+        self.num_output, self.input_dim = p.num_output, p.input_dim
+        self.bias_term = p.bias_term
+        xp = backend.get_array_module(bottom[0].data)
+        dtype = bottom[0].dtype
+        self.blobs = [Blob((self.input_dim, self.num_output), dtype=dtype, xp=xp,
+                           name=f"{self.name}/0")]
+        fill(p.weight_filler, self.blobs[0])
+        if self.bias_term:
+            self.blobs.append(Blob((self.num_output,), dtype=dtype, xp=xp, name=f"{self.name}/1"))
+            fill(p.bias_filler, self.blobs[1])
+        self.param_propagate_down = [True] * len(self.blobs)
+
+    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        top[0].reshape(bottom[0].shape + (self.num_output,))
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        # Caffe checks these only in debug builds; a release build reads out of bounds
+        self._index = _row_indices(self, bottom[0].data, self.input_dim, "input",
+                                   whole=True)
+        y = top[0].data.reshape(self._index.size, self.num_output)
+        y[...] = self.blobs[0].data[self._index]
+        if self.bias_term:
+            y += self.blobs[1].data
+
+    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        if propagate_down[0]:
+            raise self.fail("cannot backpropagate to the index input")
+        dy = top[0].diff.reshape(self._index.size, self.num_output)
+        if self.param_propagate_down[0]:
+            _scatter_add_rows(self.blobs[0].diff, self._index, dy)
+        if self.bias_term and self.param_propagate_down[1]:
+            self.blobs[1].diff += dy.sum(axis=0)
+
+    def allow_force_backward(self, bottom_index: int) -> bool:
+        return False

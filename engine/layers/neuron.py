@@ -1,10 +1,12 @@
 """Neuron layers: element-wise functions of one bottom (Caffe's NeuronLayer family).
 
-ReLU, PReLU, ELU, Sigmoid, TanH, AbsVal, Power, Exp, Log, BNLL, Threshold, Dropout.
+ReLU, PReLU, ELU, Sigmoid, TanH, AbsVal, Power, Exp, Log, BNLL, Threshold, Dropout, and
+from Caffe master (after 1.0) Clip and Swish.
 Each works in place (top is the bottom Blob) where Caffe allows it. When in place, the
 forward pass overwrites the input, so a layer whose gradient needs the input either
-derives it from the output (ReLU, ELU, Sigmoid, TanH, Exp) or keeps a copy of the
-input during forward (``keeps_input``; Caffe's PReLU does the same with bottom_memory_).
+derives it from the output (ReLU, ELU, Sigmoid, TanH, Exp; Swish with the sigmoid it
+keeps) or keeps a copy of the input during forward (``keeps_input``; Caffe's PReLU does
+the same with bottom_memory_).
 """
 from __future__ import annotations
 
@@ -175,16 +177,23 @@ class ELULayer(NeuronLayer):
                     out=dx)
 
 
+def sigmoid(x: Any, out: Any) -> Any:
+    """1 / (1 + exp(-x)) into ``out`` (may be ``x``), computed as Caffe's SigmoidLayer does:
+    0.5 * tanh(0.5 * x) + 0.5, which cannot overflow."""
+    xp = backend.get_array_module(x)
+    xp.multiply(x, 0.5, out=out)
+    xp.tanh(out, out=out)
+    out *= 0.5
+    out += 0.5
+    return out
+
+
 @register("Sigmoid", "SIGMOID")
 class SigmoidLayer(NeuronLayer):
-    """1 / (1 + exp(-x)), computed as Caffe does: 0.5 * tanh(0.5 * x) + 0.5."""
+    """1 / (1 + exp(-x))."""
 
     def compute(self, x: Any, y: Any) -> None:
-        xp = backend.get_array_module(x)
-        xp.multiply(x, 0.5, out=y)
-        xp.tanh(y, out=y)
-        y *= 0.5
-        y += 0.5
+        sigmoid(x, y)
 
     def gradient(self, x: Any, y: Any, dy: Any, dx: Any) -> None:
         xp = backend.get_array_module(dy)
@@ -393,3 +402,63 @@ class DropoutLayer(NeuronLayer):
                 xp.copyto(dx, dy)
             return
         xp.multiply(dy, self._mask, out=dx)
+
+
+@register("Clip")
+class ClipLayer(NeuronLayer):
+    """max(min, min(x, max)); the gradient passes where min <= x <= max.
+
+    The order of the two bounds is Caffe's, so with min > max every output is min.
+    """
+
+    # The output cannot tell x == max (gradient passes) from x > max (it does not); Caffe
+    # reads the bottom, which an in-place forward has already clipped.
+    keeps_input = True
+
+    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        p = self.param.clip_param
+        missing = [f for f in ("min", "max") if not p.HasField(f)]
+        if missing:
+            # required fields in Caffe's ClipParameter; Python's text parser does not check
+            raise self.fail(f"clip_param needs {' and '.join(missing)} (required fields)")
+        self.low, self.high = float(p.min), float(p.max)
+
+    def compute(self, x: Any, y: Any) -> None:
+        xp = backend.get_array_module(x)
+        t = x.dtype.type
+        xp.minimum(x, t(self.high), out=y)
+        xp.maximum(y, t(self.low), out=y)
+
+    def gradient(self, x: Any, y: Any, dy: Any, dx: Any) -> None:
+        xp = backend.get_array_module(dy)
+        t = dy.dtype.type
+        xp.multiply(dy, (x >= t(self.low)) & (x <= t(self.high)), out=dx)
+
+
+@register("Swish")
+class SwishLayer(NeuronLayer):
+    """x * sigmoid(beta * x) (Ramachandran et al., arXiv:1710.05941)."""
+
+    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        self.beta = float(self.param.swish_param.beta)
+        if not math.isfinite(self.beta):
+            raise self.fail(f"swish_param.beta must be a finite number, got {self.beta}")
+        # sigmoid(beta * x) from the last forward: with the output it gives the gradient
+        # without the input, so in-place works (Caffe keeps its sigmoid layer's top too).
+        self._sig: Any = None
+
+    def compute(self, x: Any, y: Any) -> None:
+        xp = backend.get_array_module(x)
+        if self._sig is None or self._sig.shape != x.shape or self._sig.dtype != x.dtype:
+            self._sig = xp.empty_like(x)
+        xp.multiply(x, x.dtype.type(self.beta), out=self._sig)
+        sigmoid(self._sig, self._sig)
+        xp.multiply(x, self._sig, out=y)
+
+    def gradient(self, x: Any, y: Any, dy: Any, dx: Any) -> None:
+        # d/dx x*s(bx) = s + b*x*s*(1 - s) = b*y + s*(1 - b*y)
+        xp = backend.get_array_module(dy)
+        by = y * dy.dtype.type(self.beta)
+        local = self._sig * (1 - by)
+        local += by
+        xp.multiply(dy, local, out=dx)
