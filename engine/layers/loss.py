@@ -1,5 +1,6 @@
-"""Caffe's loss layers (SoftmaxWithLoss, SigmoidCrossEntropyLoss, EuclideanLoss) and the
-Accuracy layer, with BVLC Caffe 1.0's numerics.
+"""Caffe's loss layers (SoftmaxWithLoss, SigmoidCrossEntropyLoss, EuclideanLoss, HingeLoss,
+InfogainLoss, MultinomialLogisticLoss, ContrastiveLoss) and the Accuracy layer, with BVLC
+Caffe 1.0's numerics.
 
 A loss layer writes a scalar (shape ``()``) to ``top[0]`` and in backward scales its
 gradient by ``top[0].diff``, where the Net has put the layer's loss_weight. Labels arrive
@@ -13,6 +14,7 @@ import numpy as np
 
 from .. import backend
 from ..blob import Blob
+from ..caffe_io import FormatError, read_blobproto
 from ..pb import caffe_pb2
 from .base import Layer, register
 from .common import softmax
@@ -20,6 +22,8 @@ from .common import softmax
 _NORM = caffe_pb2.LossParameter
 #: Caffe clamps probabilities at FLT_MIN before the log, in float and double alike
 _FLT_MIN = float(np.finfo(np.float32).tiny)
+#: the floor of Caffe's kLOG_THRESHOLD losses: the float 1e-20, also in double nets
+_LOG_THRESHOLD = float(np.float32(1e-20))
 
 
 def _normalization(loss_param: Any, default: int) -> int:
@@ -143,14 +147,20 @@ class SoftmaxWithLossLayer(LossLayer):
             xp = backend.get_array_module(bottom[0].data)
             self.prob = xp.empty_like(bottom[0].data)
 
-    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        xp = backend.get_array_module(bottom[0].data)
+    def _softmax_and_labels(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> Any:
+        """Softmax of bottom[0] into ``self.prob`` and the labels into ``self.labels``;
+        returns the probabilities as (outer, classes, inner)."""
         if len(top) > 1:
             self.prob = top[1].data  # Caffe's top[1] shares the probabilities
         softmax(bottom[0].data, self.caxis, self.prob)
         self.labels = _ClassLabels(self, bottom[1].data, self.outer, self.inner,
                                    self.classes, self.ignore_label)
-        p = self.labels.pick(self.prob.reshape(self.outer, self.classes, self.inner))
+        return self.prob.reshape(self.outer, self.classes, self.inner)
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        xp = backend.get_array_module(bottom[0].data)
+        prob = self._softmax_and_labels(bottom, top)
+        p = self.labels.pick(prob)
         logp = xp.log(xp.maximum(p, p.dtype.type(_FLT_MIN)))
         self.normalizer = _normalizer(self.normalization, self.outer, self.inner,
                                       self.labels.count)
@@ -258,6 +268,245 @@ class EuclideanLossLayer(LossLayer):
         for b, down, sign in zip(bottom, propagate_down, (1, -1)):
             if down:
                 xp.multiply(self.diff.reshape(b.shape), top[0].diff * sign / num, out=b.diff)
+
+
+def legacy_shape(layer: Layer, blob: Blob) -> tuple[int, int, int, int]:
+    """Caffe's legacy (num, channels, height, width) accessors: a blob of at most 4 axes,
+    the missing trailing ones read as 1."""
+    if blob.num_axes() > 4:
+        raise layer.fail(f"needs a blob of at most 4 axes (num, channels, height, width), "
+                         f"got shape {blob.shape}")
+    n, c, h, w = blob.shape + (1,) * (4 - blob.num_axes())
+    return n, c, h, w
+
+
+class _OneLabelPerItem(LossLayer):
+    """A loss on bottom[0] seen as (num, dim) with one class label per item: Caffe's
+    HingeLoss and MultinomialLogisticLoss."""
+
+    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        super().reshape(bottom, top)
+        legacy_shape(self, bottom[0])
+        # Caffe reads label[i] for item i; any other label layout would pair items with
+        # the wrong labels, so it is refused (MultinomialLogisticLoss checks this too).
+        if legacy_shape(self, bottom[1])[1:] != (1, 1, 1):
+            raise self.fail(f"label shape {bottom[1].shape} must be (num, 1, 1, 1): one label "
+                            f"per item")
+        self.num, self.dim = bottom[0].shape[0], bottom[0].count_range(1)
+
+    def _items(self, a: Any) -> Any:
+        return a.reshape(self.num, self.dim)
+
+    def _label_index(self, bottom: Sequence[Blob]) -> tuple[Any, Any]:
+        """(rows, labels): fancy indices of each item's label score in ``_items``."""
+        xp = backend.get_array_module(bottom[1].data)
+        lab = _ClassLabels(self, bottom[1].data, self.num, 1, self.dim, None).lab[:, 0]
+        return xp.arange(self.num), lab
+
+
+@register("HingeLoss", "HINGE_LOSS")
+class HingeLossLayer(_OneLabelPerItem):
+    """One-vs-all hinge loss: with t = -1 except t = +1 at the label,
+    L1: sum max(0, 1 - t·x) / num, L2: sum max(0, 1 - t·x)² / num."""
+
+    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        self.squared = self.param.hinge_loss_param.norm == caffe_pb2.HingeLossParameter.L2
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        xp = backend.get_array_module(bottom[0].data)
+        self.index = self._label_index(bottom)
+        m = self._items(bottom[0].data).copy()
+        m[self.index] *= -1
+        m += 1
+        xp.maximum(m, 0, out=m)
+        self.margins = m
+        flat = m.reshape(-1)
+        total = xp.dot(flat, flat) if self.squared else flat.sum()
+        top[0].data[...] = total / self.num
+
+    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        self._no_label_gradient(propagate_down)
+        if not propagate_down[0]:
+            return
+        xp = backend.get_array_module(self.margins)
+        d = self._items(bottom[0].diff)
+        if self.squared:
+            xp.multiply(self.margins, top[0].diff * 2 / self.num, out=d)
+        else:  # Caffe's sign(0) is 0: a satisfied margin gives no gradient
+            xp.sign(self.margins, out=d)
+            d *= top[0].diff / self.num
+        d[self.index] *= -1
+
+
+@register("MultinomialLogisticLoss", "MULTINOMIAL_LOGISTIC_LOSS")
+class MultinomialLogisticLossLayer(_OneLabelPerItem):
+    """-sum log p[label] / num for probabilities p given directly as bottom[0] (no softmax),
+    each floored at Caffe's kLOG_THRESHOLD."""
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        xp = backend.get_array_module(bottom[0].data)
+        self.index = self._label_index(bottom)
+        p = self._items(bottom[0].data)[self.index]
+        self.picked = xp.maximum(p, p.dtype.type(_LOG_THRESHOLD))
+        top[0].data[...] = -xp.log(self.picked).sum() / self.num
+
+    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        self._no_label_gradient(propagate_down)
+        if not propagate_down[0]:
+            return
+        d = self._items(bottom[0].diff)
+        d[...] = 0
+        d[self.index] = (-top[0].diff / self.num) / self.picked
+
+
+@register("InfogainLoss", "INFOGAIN_LOSS")
+class InfogainLossLayer(SoftmaxWithLossLayer):
+    """-sum_l H[label, l] log p_l over the softmax p of bottom[0] along
+    infogain_loss_param.axis; the K x K matrix H is bottom[2] or the binaryproto
+    infogain_loss_param.source. H = identity gives SoftmaxWithLoss (but p is floored at
+    kLOG_THRESHOLD, not FLT_MIN). An optional second top receives p."""
+
+    exact_num_bottoms = None
+    min_bottoms = 2
+    max_bottoms = 3
+
+    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        lp = self.param.loss_param
+        if lp.HasField("normalize"):
+            raise self.fail('loss_param.normalize is deprecated here; use "normalization"')
+        self.ignore_label = lp.ignore_label if lp.HasField("ignore_label") else None
+        self.normalization = lp.normalization
+        ip = self.param.infogain_loss_param
+        self.axis = ip.axis
+        self.prob = None
+        self.stored_h: Any = None
+        if len(bottom) < 3:
+            if not ip.HasField("source"):
+                raise self.fail("the infogain matrix H must be given: infogain_loss_param."
+                                "source (a binaryproto) or a third bottom")
+            try:
+                h = read_blobproto(self.context.resolve(ip.source))
+            except FormatError as e:
+                raise self.fail(f"cannot read the infogain matrix: {e}") from None
+            xp = backend.get_array_module(bottom[0].data)
+            self.stored_h = xp.asarray(h, dtype=bottom[0].dtype)
+
+    def _h(self, bottom: Sequence[Blob]) -> Any:
+        """H as (classes, classes); a bottom H may change between passes."""
+        h = bottom[2].data if len(bottom) > 2 else self.stored_h
+        return h.reshape(self.classes, self.classes)
+
+    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        super().reshape(bottom, top)
+        h = bottom[2].data if len(bottom) > 2 else self.stored_h
+        if h.size != self.classes * self.classes:
+            raise self.fail(f"infogain matrix H has shape {tuple(h.shape)}: with "
+                            f"{self.classes} classes along axis {self.caxis} it must have "
+                            f"{self.classes}x{self.classes} elements")
+
+    def allow_force_backward(self, bottom_index: int) -> bool:
+        # Caffe allows forcing H's gradient and then aborts in Backward; refusing it here
+        # keeps force_backward nets runnable.
+        return bottom_index == 0
+
+    def _label_rows(self, h: Any) -> Any:
+        """H's row for each position's label, laid out (outer, classes, inner)."""
+        return h[self.labels.lab].transpose(0, 2, 1)
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        xp = backend.get_array_module(bottom[0].data)
+        prob = self._softmax_and_labels(bottom, top)
+        logp = xp.log(xp.maximum(prob, prob.dtype.type(_LOG_THRESHOLD)))
+        weighted = self.labels.mask(self._label_rows(self._h(bottom)) * logp)
+        self.normalizer = _normalizer(self.normalization, self.outer, self.inner,
+                                      self.labels.count)
+        top[0].data[...] = -weighted.sum() / self.normalizer
+
+    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        self._no_label_gradient(propagate_down)
+        if len(propagate_down) > 2 and propagate_down[2]:
+            raise self.fail("cannot backpropagate to the infogain matrix input")
+        if not propagate_down[0]:
+            return
+        h = self._h(bottom)
+        row_sums = h.sum(axis=1)[self.labels.lab][:, None, :]
+        d = bottom[0].diff.reshape(self.outer, self.classes, self.inner)
+        d[...] = self.prob.reshape(d.shape) * row_sums - self._label_rows(h)
+        if self.labels.valid is not None:
+            d *= self.labels.valid[:, None, :]
+        d *= top[0].diff / self.normalizer
+
+
+@register("ContrastiveLoss", "CONTRASTIVE_LOSS")
+class ContrastiveLossLayer(LossLayer):
+    """Hadsell et al.'s contrastive loss of feature pairs (a, b) with similarity y:
+    sum over items of y·d² + (1 - y)·max(margin - d, 0)², over 2·num, d = ||a - b||;
+    legacy_version uses max(margin - d², 0) for dissimilar pairs. y is bottom[2]; only a
+    and b take gradients."""
+
+    exact_num_bottoms = 3
+
+    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        p = self.param.contrastive_loss_param
+        self.margin = float(p.margin)
+        self.legacy = bool(p.legacy_version)
+
+    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        super().reshape(bottom, top)
+        a, b, y = (legacy_shape(self, blob) for blob in bottom)
+        if a[1:] != b[1:] or a[2:] != (1, 1):
+            raise self.fail(f"the feature bottoms must both be (num, channels, 1, 1) with the "
+                            f"same channels, got {bottom[0].shape} and {bottom[1].shape}")
+        if y != (a[0], 1, 1, 1):
+            raise self.fail(f"the similarity bottom must be ({a[0]}, 1, 1, 1): one label per "
+                            f"pair, got shape {bottom[2].shape}")
+        self.num, self.channels = a[0], a[1]
+
+    def allow_force_backward(self, bottom_index: int) -> bool:
+        return bottom_index != 2
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        xp = backend.get_array_module(bottom[0].data)
+        margin = bottom[0].dtype.type(self.margin)
+        self.diff = (bottom[0].data.reshape(self.num, self.channels)
+                     - bottom[1].data.reshape(self.num, self.channels))
+        self.dist_sq = xp.einsum("ij,ij->i", self.diff, self.diff)
+        # static_cast<int>: a similarity of 0.5 counts as dissimilar
+        self.similar = bottom[2].data.reshape(-1).astype(xp.int64) != 0
+        if self.legacy:
+            apart = xp.maximum(margin - self.dist_sq, 0)
+        else:
+            apart = xp.maximum(margin - xp.sqrt(self.dist_sq), 0) ** 2
+        per_pair = xp.where(self.similar, self.dist_sq, apart)
+        top[0].data[...] = per_pair.sum() / self.num / 2
+
+    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        if len(propagate_down) > 2 and propagate_down[2]:
+            raise self.fail("cannot backpropagate to the similarity input")
+        if not (propagate_down[0] or propagate_down[1]):
+            return
+        xp = backend.get_array_module(self.diff)
+        dt = self.diff.dtype.type
+        margin = dt(self.margin)
+        if self.legacy:
+            slack = margin - self.dist_sq
+            pull = xp.full_like(slack, -1)
+        else:
+            dist = xp.sqrt(self.dist_sq)
+            slack = margin - dist
+            # Caffe's 1e-4 keeps identical features from dividing by zero; it also makes
+            # this gradient differ from the loss's exact one by that relative amount.
+            pull = -slack / (dist + dt(1e-4))
+        coeff = xp.where(self.similar, dt(1), xp.where(slack > 0, pull, dt(0)))
+        for i, sign in ((0, 1), (1, -1)):
+            if propagate_down[i]:
+                alpha = sign * top[0].diff / self.num
+                xp.multiply(self.diff, (coeff * alpha)[:, None],
+                            out=bottom[i].diff.reshape(self.num, self.channels))
 
 
 @register("Accuracy", "ACCURACY")

@@ -1,4 +1,4 @@
-"""Normalization layers: BatchNorm and the per-channel affine pair Scale and Bias.
+"""Normalization layers: BatchNorm, MVN, and the per-channel affine pair Scale and Bias.
 
 As in Caffe, BatchNorm only normalizes (its three blobs are running statistics, never
 learned); the learned gamma/beta live in a following Scale layer with ``bias_term``.
@@ -12,6 +12,7 @@ from typing import Any, Sequence
 from .. import backend, fillers
 from ..blob import Blob
 from .base import Layer, register
+from .loss import legacy_shape
 
 
 @register("BatchNorm")
@@ -103,6 +104,61 @@ class BatchNormLayer(Layer):
         mean_dy = dy3.mean(axis=(0, 2)).reshape(1, -1, 1)
         grad = dy3 - mean_dy - mean_dyy * y3
         xp.divide(grad, self._std, out=dx3)
+
+
+@register("MVN")
+class MVNLayer(Layer):
+    """Caffe's MVN: subtract the mean of each (item, channel) plane, or of each whole item
+    with ``across_channels``; with ``normalize_variance`` also divide by (std + eps), the
+    std being the biased one. As in Caffe the top is 4-D (num, channels, height, width)
+    whatever the bottom's (at most 4) axes."""
+
+    exact_num_bottoms = 1
+    exact_num_tops = 1
+
+    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        p = self.param.mvn_param
+        self.normalize_variance = bool(p.normalize_variance)
+        self.across_channels = bool(p.across_channels)
+        self.eps = float(p.eps)
+
+    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        shape = legacy_shape(self, bottom[0])
+        top[0].reshape(shape)
+        self.rows = shape[0] if self.across_channels else shape[0] * shape[1]
+
+    def _rows(self, a: Any) -> Any:
+        """The array as (rows, dim): one row per normalized group."""
+        return a.reshape(self.rows, -1)
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        xp = backend.get_array_module(bottom[0].data)
+        x = self._rows(bottom[0].data)
+        y = self._rows(top[0].data)
+        xp.subtract(x, x.mean(axis=1, keepdims=True), out=y)
+        if self.normalize_variance:
+            var = xp.einsum("ij,ij->i", y, y)[:, None] / y.dtype.type(y.shape[1])
+            self.std = xp.sqrt(var)
+            self.std += y.dtype.type(self.eps)
+            y /= self.std
+
+    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        if not propagate_down[0]:
+            return
+        xp = backend.get_array_module(top[0].diff)
+        dy = self._rows(top[0].diff)
+        dx = self._rows(bottom[0].diff)
+        if not self.normalize_variance:
+            xp.subtract(dy, dy.mean(axis=1, keepdims=True), out=dx)
+            return
+        # Caffe's formula, read from the top's data as Caffe does (so an in-place layer
+        # after MVN changes it): (dy - mean(dy) - y * mean(dy * y)) / (std + eps). It
+        # treats eps as 0 inside the derivative of the std.
+        y = self._rows(top[0].data)
+        dyy = xp.einsum("ij,ij->i", dy, y)[:, None]
+        grad = dy - (y * dyy + dy.sum(axis=1, keepdims=True)) / dy.dtype.type(dy.shape[1])
+        xp.divide(grad, self.std, out=dx)
 
 
 def _param_shape(layer: Layer, bottom: Blob, axis_param: int, num_axes: int) -> tuple[int, ...]:

@@ -1,4 +1,5 @@
-"""Vision layers: Convolution, Deconvolution, Pooling, Crop, with Caffe's numerics.
+"""Vision layers: Convolution, Deconvolution, Pooling, SPP, Im2col, Crop, with Caffe's
+numerics.
 
 Convolution lowers each chunk of the minibatch to columns (``im2col``) and does one GEMM
 per group; Deconvolution is the same machinery run backwards (Caffe's weight layout
@@ -12,9 +13,10 @@ from .. import backend, fillers
 from ..blob import Blob
 from ..pb import caffe_pb2
 from . import im2col as K
-from .base import Layer, register
+from .base import Layer, LayerError, register
 
 _POOL = caffe_pb2.PoolingParameter
+_SPP = caffe_pb2.SPPParameter
 
 
 def _spatial_values(layer: Layer, param: Any, name: str, default: int,
@@ -39,6 +41,46 @@ def _spatial_values(layer: Layer, param: Any, name: str, default: int,
     return values[0], values[-1]
 
 
+_Pair = tuple[int, int]
+
+
+def _window_params(layer: Layer, param: Any,
+                   num_spatial: int) -> tuple[_Pair, _Pair, _Pair, _Pair]:
+    """(kernel, pad, stride, dilation), each (h, w), of a ConvolutionParameter, checked."""
+    kernel = _spatial_values(layer, param, "kernel_size", 0, num_spatial)
+    if min(kernel) <= 0:
+        raise layer.fail(f"filter dimensions must be nonzero, got {kernel}")
+    pad = _spatial_values(layer, param, "pad", 0, num_spatial)
+    stride = _spatial_values(layer, param, "stride", 1, num_spatial)
+    if min(stride) <= 0:
+        raise layer.fail(f"stride dimensions must be nonzero, got {stride}")
+    dilation = _spatial_values(layer, param, "dilation", 1, num_spatial)
+    if min(dilation) <= 0:
+        raise layer.fail(f"dilation must be positive, got {dilation}")
+    return kernel, pad, stride, dilation
+
+
+def _image_chunks(xp: Any, g: K.Geometry, num: int, itemsize: int) -> list[slice]:
+    """Slices of the ``num`` images whose im2col columns make one chunk (``K.chunk_size``)."""
+    per_image = g.col_rows * g.out_h * g.out_w * itemsize
+    step = K.chunk_size(xp, num, per_image)
+    return [slice(s, min(s + step, num)) for s in range(0, num, step)]
+
+
+def _two_spatial_axes(layer: Layer, bottom: Blob, axis_param: int) -> int:
+    """The canonical channel axis, which must be followed by exactly 2 spatial axes."""
+    try:
+        channel_axis = bottom.canonical_axis(axis_param)
+    except ValueError:
+        raise layer.fail(f"axis {axis_param} out of range for bottom shape "
+                         f"{bottom.shape}") from None
+    num_spatial = bottom.num_axes() - channel_axis - 1
+    if num_spatial != 2:
+        raise layer.fail(f"only 2 spatial axes are supported, got {num_spatial} "
+                         f"(bottom shape {bottom.shape}, axis {axis_param})")
+    return channel_axis
+
+
 class _BaseConvolution(Layer):
     """What Convolution and Deconvolution share: parameters, weights, and the GEMMs."""
 
@@ -55,21 +97,8 @@ class _BaseConvolution(Layer):
     def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
         p = self.param.convolution_param
         b0 = bottom[0]
-        self.channel_axis = b0.canonical_axis(p.axis)
-        num_spatial = b0.num_axes() - self.channel_axis - 1
-        if num_spatial != 2:
-            raise self.fail(f"only 2 spatial axes are supported, got {num_spatial} "
-                            f"(bottom shape {b0.shape}, axis {p.axis})")
-        self.kernel = _spatial_values(self, p, "kernel_size", 0, num_spatial)
-        if min(self.kernel) <= 0:
-            raise self.fail(f"filter dimensions must be nonzero, got {self.kernel}")
-        self.pad = _spatial_values(self, p, "pad", 0, num_spatial)
-        self.stride = _spatial_values(self, p, "stride", 1, num_spatial)
-        if min(self.stride) <= 0:
-            raise self.fail(f"stride dimensions must be nonzero, got {self.stride}")
-        self.dilation = _spatial_values(self, p, "dilation", 1, num_spatial)
-        if min(self.dilation) <= 0:
-            raise self.fail(f"dilation must be positive, got {self.dilation}")
+        self.channel_axis = _two_spatial_axes(self, b0, p.axis)
+        self.kernel, self.pad, self.stride, self.dilation = _window_params(self, p, 2)
         self.channels = b0.shape[self.channel_axis]
         self.num_output = int(p.num_output)
         self.group = int(p.group)
@@ -145,10 +174,7 @@ class _BaseConvolution(Layer):
         return m.reshape(c, n, *spatial).transpose(1, 0, 2, 3)
 
     def _chunks(self, xp: Any, itemsize: int) -> list[slice]:
-        g = self.geometry
-        per_image = g.col_rows * g.out_h * g.out_w * itemsize
-        step = K.chunk_size(xp, self.num, per_image)
-        return [slice(s, min(s + step, self.num)) for s in range(0, self.num, step)]
+        return _image_chunks(xp, self.geometry, self.num, itemsize)
 
     def _images(self, a: Any, channels: int) -> Any:
         """The blob array as (num, channels, H, W)."""
@@ -372,3 +398,166 @@ class CropLayer(Layer):
         if propagate_down[0]:
             bottom[0].diff[...] = 0
             bottom[0].diff[self.slices] = top[0].diff
+
+
+@register("SPP")
+class SPPLayer(Layer):
+    """Caffe's spatial pyramid pooling. Level i pools each plane into 2^i x 2^i bins with a
+    Pooling layer (kernel ceil(size / 2^i), stride = kernel, pad (kernel·2^i - size + 1) / 2,
+    all under Pooling's own rules); each level's output, flattened per item, is concatenated
+    in level order into a (num, total) top. With pyramid_height 1 the top is the single
+    level's (num, channels, 1, 1) output, as in Caffe."""
+
+    exact_num_bottoms = 1
+    exact_num_tops = 1
+
+    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        p = self.param.spp_param
+        self.pyramid_height = int(p.pyramid_height)
+        if self.pyramid_height < 1:
+            raise self.fail(f"pyramid_height must be at least 1, got {self.pyramid_height}")
+        self.method = {_SPP.MAX: _POOL.MAX, _SPP.AVE: _POOL.AVE,
+                       _SPP.STOCHASTIC: _POOL.STOCHASTIC}[p.pool]
+        self.levels: list[PoolingLayer] = []
+        self.outputs: list[Blob] = []
+        self.built_for: tuple[int, int] | None = None
+        self.scratch: Blob | None = None  # one level's input gradient, before the sum
+
+    def _pooling_param(self, level: int, height: int, width: int) -> Any:
+        bins = 2 ** level
+        lp = caffe_pb2.LayerParameter(name=f"{self.name}/level{level}", type="Pooling")
+        pp = lp.pooling_param
+        pp.pool = self.method
+        for axis, size in (("h", height), ("w", width)):
+            kernel = -(-size // bins)
+            setattr(pp, f"kernel_{axis}", kernel)
+            setattr(pp, f"stride_{axis}", kernel)
+            # the padding the bins need beyond the image, split with the odd pixel first
+            setattr(pp, f"pad_{axis}", (kernel * bins - size + 1) // 2)
+        return lp
+
+    def _build(self, bottom: Blob, height: int, width: int) -> None:
+        """One Pooling layer per level, for planes of height x width."""
+        xp = backend.get_array_module(bottom.data)
+        self.levels, self.outputs = [], []
+        for i in range(self.pyramid_height):
+            level = PoolingLayer(self._pooling_param(i, height, width), self.phase)
+            level.context = self.context
+            out = Blob((), dtype=bottom.dtype, xp=xp, name=f"{self.name}/level{i}")
+            try:
+                level.check_blob_counts([bottom], [out])
+                level.setup([bottom], [out])
+                level.reshape([bottom], [out])
+            except LayerError as e:
+                raise self.fail(f"pyramid level {i} ({2 ** i}x{2 ** i} bins) cannot pool a "
+                                f"{height}x{width} input: {e}") from None
+            self.levels.append(level)
+            self.outputs.append(out)
+        self.built_for = (height, width)
+
+    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        shape = bottom[0].shape
+        if len(shape) != 4:
+            raise self.fail(f"input must have 4 axes (num, channels, height, width), "
+                            f"got shape {shape}")
+        n, _, height, width = shape
+        if height <= 0 or width <= 0:
+            raise self.fail(f"input dimensions cannot be zero, got shape {shape}")
+        if self.built_for != (height, width):
+            self._build(bottom[0], height, width)
+        else:
+            for level, out in zip(self.levels, self.outputs):
+                level.reshape(bottom, [out])
+        if self.pyramid_height == 1:
+            top[0].reshape(self.outputs[0].shape)
+        else:
+            top[0].reshape((n, sum(out.count_range(1) for out in self.outputs)))
+            if self.scratch is None:
+                self.scratch = Blob(shape, dtype=bottom[0].dtype,
+                                    xp=backend.get_array_module(bottom[0].data))
+            self.scratch.reshape(shape)
+
+    def _segments(self, a: Any) -> list[Any]:
+        """Views of the top array (num, total) holding each level's flattened output."""
+        flat = a.reshape(a.shape[0], -1)
+        bounds = [0]
+        for out in self.outputs:
+            bounds.append(bounds[-1] + out.count_range(1))
+        return [flat[:, lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        for level, out, seg in zip(self.levels, self.outputs, self._segments(top[0].data)):
+            level.forward(bottom, [out])
+            seg[...] = out.data.reshape(seg.shape)
+
+    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        if not propagate_down[0]:
+            return
+        segments = self._segments(top[0].diff)
+        for i, (level, out, seg) in enumerate(zip(self.levels, self.outputs, segments)):
+            out.diff[...] = seg.reshape(out.shape)
+            # the first level writes the bottom's gradient, the others add to it: the
+            # bottom feeds every level, as through Caffe's internal Split
+            target = bottom[0] if i == 0 else self.scratch
+            level.backward([out], [True], [target])
+            if i:
+                bottom[0].diff += self.scratch.diff
+
+
+@register("Im2col", "IM2COL")
+class Im2colLayer(Layer):
+    """Caffe's Im2col: each item's (C, H, W) image becomes its convolution columns, a
+    (C·kh·kw, out_h, out_w) blob with rows ordered (c, i, j); the window comes from
+    convolution_param (kernel, pad, stride, dilation, axis). Backward is col2im."""
+
+    exact_num_bottoms = 1
+    exact_num_tops = 1
+
+    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        p = self.param.convolution_param
+        self.channel_axis = _two_spatial_axes(self, bottom[0], p.axis)
+        self.kernel, self.pad, self.stride, self.dilation = _window_params(self, p, 2)
+
+    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        shape = bottom[0].shape
+        ax = self.channel_axis
+        if len(shape) != ax + 3:
+            raise self.fail(f"bottom shape {shape} does not have 2 spatial axes after axis {ax}")
+        channels, height, width = shape[ax:]
+        (kh, kw), (ph, pw) = self.kernel, self.pad
+        (sh, sw), (dh, dw) = self.stride, self.dilation
+        out_h = K.conv_out_size(height, kh, ph, sh, dh)
+        out_w = K.conv_out_size(width, kw, pw, sw, dw)
+        if out_h <= 0 or out_w <= 0:
+            raise self.fail(f"output size {out_h}x{out_w} is not positive for input "
+                            f"{height}x{width} (kernel {self.kernel}, pad {self.pad}, "
+                            f"stride {self.stride}, dilation {self.dilation})")
+        self.geometry = K.Geometry(channels, height, width, kh, kw, sh, sw, ph, pw, dh, dw,
+                                   out_h, out_w)
+        self.num = bottom[0].count_range(0, ax)
+        top[0].reshape((*shape[:ax], self.geometry.col_rows, out_h, out_w))
+
+    def _images(self, a: Any, rows: int, h: int, w: int) -> Any:
+        return a.reshape(self.num, rows, h, w)
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        g = self.geometry
+        xp = backend.get_array_module(bottom[0].data)
+        x = self._images(bottom[0].data, g.channels, g.height, g.width)
+        y = self._images(top[0].data, g.col_rows, g.out_h, g.out_w)
+        for s in _image_chunks(xp, g, self.num, x.dtype.itemsize):
+            col = K.im2col(x[s], g)
+            y[s] = _BaseConvolution._batch_major(col[None], s.stop - s.start, (g.out_h, g.out_w))
+
+    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        if not propagate_down[0]:
+            return
+        g = self.geometry
+        xp = backend.get_array_module(top[0].diff)
+        dy = self._images(top[0].diff, g.col_rows, g.out_h, g.out_w)
+        dx = self._images(bottom[0].diff, g.channels, g.height, g.width)
+        for s in _image_chunks(xp, g, self.num, dy.dtype.itemsize):
+            col = K.grid_operand(dy[s], g, 1).reshape(g.col_rows, -1)
+            dx[s] = K.col2im(col, g, s.stop - s.start)
