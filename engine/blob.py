@@ -99,8 +99,10 @@ class Blob:
         dims = self.shape[start:end]
         return int(np.prod(dims, dtype=np.int64)) if dims else 1
 
-    def reshape(self, shape: Sequence[int]) -> None:
-        shape = tuple(int(s) for s in shape)
+    def reshape(self, *dims: int | Sequence[int]) -> None:
+        """``reshape((2, 3))``, or pycaffe's ``reshape(2, 3)``."""
+        shape = tuple(int(s) for s in (dims[0] if len(dims) == 1 and not isinstance(
+            dims[0], (int, np.integer)) else dims))  # type: ignore[union-attr]
         if shape == self.shape:
             return
         xp = backend.get_array_module(self.data)
