@@ -128,3 +128,13 @@ def test_a_python_layers_blob_trains_exactly_with_two_workers(scale_module, digi
     assert want["scale/0"][0] != pytest.approx(0.8)  # w learned
     for name, w in want.items():
         assert np.linalg.norm(got[name] - w) / np.linalg.norm(w) <= 1e-5, name
+
+
+def test_the_readmes_net_surgery_example_runs(tmp_path, monkeypatch):
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## For pycaffe users", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").symlink_to(ROOT / "models")
+    exec(compile(code, "README.md", "exec"), {})
+    assert (tmp_path / "surgery.caffemodel").is_file()
