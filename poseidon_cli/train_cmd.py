@@ -82,9 +82,24 @@ def solver_gpu(solver: str) -> list[int] | None:
               "file).")
 @click.option("--rank", type=int, default=None,
               help="This process's rank in the hosts file (default: launch the local entries).")
-@click.option("--comm", type=click.Choice(["ps", "sfb", "hybrid"]), default="hybrid",
-              show_default=True, help="Gradient communication: sharded PS, SFB, or the "
-              "cheaper of the two per layer.")
+@click.option("--comm", type=click.Choice(["auto", "hybrid", "ps", "sfb", "ring"]),
+              default="auto", show_default=True, help="Gradient communication per layer: the "
+              "fastest of PS, SFB and ring by the cost model (auto), Poseidon's PS/SFB choice "
+              "by bytes (hybrid), or one scheme wherever the layer allows it.")
+@click.option("--wire", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
+              help="Gradients on the wire: float32, or float16 (half the bytes; sums in "
+              "float32; an overflow skips that layer's update and halves its scale).")
+@click.option("--fusion-mb", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Fuse consecutive small PS / ring layers into buckets of at most this many "
+              "MB (0: no fusion).")
+@click.option("--fusion-ms", type=click.FloatRange(min=0), default=5.0, show_default=True,
+              help="A bucket's first layer waits at most this long (estimated) for its last.")
+@click.option("--link", default=None, metavar="BW[@LATENCY]|FILE",
+              help="Plan for this link (10gbit@50us, or a `poseidon bench comm --link-out` "
+              "file) instead of probing it at start-up.")
+@click.option("--priority/--no-priority", default=True, show_default=True,
+              help="When several layers wait to be sent, send the lowest (the next forward "
+              "needs it first).")
 @click.option("--key-file", default=None, type=click.Path(dir_okay=False),
               help="The job key every process authenticates its messages with (`poseidon "
               "keygen`; mode 600). Without it the launcher makes a fresh one for the workers it "
@@ -114,7 +129,8 @@ def solver_gpu(solver: str) -> list[int] | None:
               help="Write Chrome trace events (Perfetto): layers, sends, sums, updates, per "
               "process and thread, merged across the ranks of this machine.")
 def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | None,
-          hosts: str | None, nproc: int | None, rank: int | None, comm: str,
+          hosts: str | None, nproc: int | None, rank: int | None, comm: str, wire: str,
+          fusion_mb: float, fusion_ms: float, link: str | None, priority: bool,
           key_file: str | None, launch: str, stats: str | None,
           timeout: float, chunk_bytes: int, sigint_effect: str, sighup_effect: str,
           replay: str | None, time_scale: float, log_dir: str | None,
@@ -140,7 +156,9 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
         from .launch import launcher
         from .launch.config import JobConfig
         with user_errors(), local_hosts(nproc) as made:
-            config = JobConfig(solver=solver, hosts=made or hosts, comm=comm, timeout=timeout,
+            config = JobConfig(solver=solver, hosts=made or hosts, comm=comm, wire=wire,
+                               fusion_mb=fusion_mb, fusion_ms=fusion_ms, link=link,
+                               priority=priority, timeout=timeout,
                                chunk_bytes=chunk_bytes, weights=tuple(weight_files),
                                snapshot=snapshot, gpus=tuple(gpus) if gpus is not None else None,
                                stats=stats, signal_effects=effects, replay=replay,

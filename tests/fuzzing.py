@@ -181,7 +181,7 @@ def wire_targets() -> tuple[dict[str, Target], list[Any]]:
                                 key=key if auth else None, timeout=3600) for auth in (False, True)}
     for ep in endpoints.values():
         ep.checker = lambda msg: None  # structure only: content checks are the scheme's
-    h = header(pb.FACTORS, sender_role=pb.WORKER, sender=1, layer=3, round=2)
+    h = header(pb.DATA, scheme="sfb", sender_role=pb.WORKER, sender=1, layer=3, round=2)
     h.arrays.add(dtype="<f4", shape=[2, 3])
     h.arrays.add(dtype="<f8", shape=[4])
     frames = [h.SerializeToString(), np.ones(6, np.float32).tobytes(), np.ones(4).tobytes()]

@@ -16,10 +16,15 @@ def test_json_predictions_for_every_scheme_and_count():
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     rows = {(p["scheme"], p["workers"]): p for p in report["predictions"]}
-    assert set(rows) == {(s, n) for s in ("ps", "sfb", "hybrid") for n in (1, 2, 4, 5)}
+    assert set(rows) == {(s, n) for s in ("ps", "sfb", "ring", "hybrid", "auto")
+                         for n in (1, 2, 4, 5)}
     assert report["params"] == 14_322_532 and report["batch"] == 32
     assert report["link"]["bandwidth_bits_per_s"] == pytest.approx(1e10)
     assert rows[("hybrid", 4)]["speedup"] > rows[("ps", 4)]["speedup"]
+    # the planner's pick per layer is never slower than a single scheme for the whole net
+    for n in (2, 4, 5):
+        best = max(rows[(s, n)]["speedup"] for s in ("ps", "sfb", "ring", "hybrid"))
+        assert rows[("auto", n)]["speedup"] >= 0.97 * best, n
 
 
 def test_a_poseidon_time_report_is_a_trace(tmp_path):
@@ -40,7 +45,7 @@ def test_a_poseidon_time_report_is_a_trace(tmp_path):
     (["--trace", "missing.json"], "trace file missing.json not found"),
     (["--estimate", "--workers", "0,2"], "--workers '0,2'"),
     (["--estimate", "--bandwidth", "fast"], "bandwidth 'fast'"),
-    (["--estimate", "--scheme", "ring"], "--scheme 'ring'"),
+    (["--estimate", "--scheme", "allgather"], "--scheme 'allgather'"),
     ([], "give --trace FILE or --estimate"),
 ])
 def test_bad_input_is_one_line(args, needle):

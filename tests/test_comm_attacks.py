@@ -30,17 +30,20 @@ BATCH = 16
 
 def layout_of(solver: Path) -> list:
     """The chunk table every worker of a 2-worker hybrid run computes (the attacker can too)."""
-    from engine.comm.bind import describe_net, ps_params
-    from engine.comm.planner import plan_layers
-    from engine.comm.ps import make_layout
+    from engine.comm.bind import describe_net
+    from engine.comm.codecs import Codec
+    from engine.comm.planner import make_plan
+    from engine.comm.schemes.base import Unit
+    from engine.comm.schemes.ps import make_layout, unit_vectors
     from engine.context import RunContext
     from engine.solver import Solver
 
     s = Solver(solver, context=RunContext(rank=0, world_size=2))
     try:
         slots, infos = describe_net(s.net)
-        schemes = {p.info.layer: p.scheme for p in plan_layers(infos, 2, comm="hybrid")}
-        return make_layout(ps_params(slots, schemes), 2)
+        units = [Unit([slots[l] for l in layers], scheme)
+                 for layers, scheme in make_plan(infos, 2, comm="hybrid").units if scheme == "ps"]
+        return make_layout(unit_vectors(units, Codec().vectors, "<f4"), 2)
     finally:
         s.close()
 
@@ -50,8 +53,8 @@ def forged_pushes(layout: list) -> list[tuple[int, list[bytes]]]:
     out = []
     for rnd in range(ITERS + 2):
         for c in layout:
-            h = pb.Header(kind=pb.PUSH, sender_role=pb.WORKER, sender=1, round=rnd, layer=c.layer,
-                          param=c.param, chunk=c.chunk)
+            h = pb.Header(kind=pb.DATA, scheme="ps", op=0, sender_role=pb.WORKER, sender=1,
+                          round=rnd, layer=c.layer, param=c.param, chunk=c.chunk)
             h.arrays.add(dtype=c.dtype, shape=[c.count])
             out.append((c.shard, [h.SerializeToString(),
                                   np.full(c.count, 1e3, np.dtype(c.dtype)).tobytes()]))

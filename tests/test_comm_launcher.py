@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from engine.comm.bind import describe_net, ps_params
+from engine.comm.bind import describe_net
 from engine.comm.errors import CommError
 from engine.comm.hosts import parse_hosts_text
 from engine.comm.planner import plan_layers
@@ -67,7 +67,8 @@ def test_run_rejects_what_it_cannot_do(tmp_path):
     ('{"solver": "s", "hosts": "h", "gpu": 1}', "unknown field(s) gpu"),
     ('{"solver": "s", "hosts": "h", "timeout": "30"}', "'timeout' has the wrong type"),
     ('{"solver": "s", "hosts": "h", "gpus": [-1]}', "'gpus' has the wrong type"),
-    ('{"solver": "s", "hosts": "h", "comm": "ring"}', "--comm must be one of"),
+    ('{"solver": "s", "hosts": "h", "comm": "allreduce"}', "--comm must be one of"),
+        ('{"solver": "s", "hosts": "h", "wire": "fp8"}', "--wire must be one of"),
     ('{"solver": "s", "hosts": "h", "signal_effects": {"SIGINT": "explode"}}', "SIGINT='explode'"),
 ])
 def test_a_bad_configuration_is_named(text, needle):
@@ -116,9 +117,17 @@ def test_bind_describes_layers_and_factors_rebuild_the_gradient(tmp_path):
         if len(slot.params) > 1:
             np.testing.assert_allclose(u.sum(0), slot.params[1].blob.diff, rtol=1e-5, atol=1e-6)
     plans = plan_layers(infos, 2, comm="sfb")
-    schemes = {p.info.layer: p.scheme for p in plans}
     assert [p.scheme for p in plans] == ["sfb", "sfb", "ps"]
-    assert [p.index for p in ps_params(slots, schemes)] == [p.index for p in by_name["scale"].params]
+    # a layer synchronised by SFB skips its own weight-gradient GEMM: the rebuild replaces it
+    slot = by_name["fc"]
+    slot.defer_weight_gradient(True)
+    net.clear_param_diffs()
+    net.forward_prefilled()
+    net.backward()
+    assert not np.any(slot.params[0].blob.diff)
+    u, v = (np.asarray(a) for a in slot.factors())
+    np.testing.assert_allclose(u.sum(0), slot.params[1].blob.diff, rtol=1e-5, atol=1e-6)
+    assert np.any(by_name["fct"].params[0].blob.diff)
 
 
 def test_ssh_launch_hands_the_job_key_over_stdin(tmp_path, monkeypatch):

@@ -1,11 +1,15 @@
-"""SACP planner: the cost formulas, DESIGN.md's worked examples, forcing, and the chunk table."""
+"""The planner: SACP's cost formulas and DESIGN.md's worked examples, the 3-way choice by
+predicted time, forcing, fusion buckets, the plan on the wire, and the chunk table."""
 from __future__ import annotations
 
 import pytest
 
+from engine.comm.fusion import buckets
 from engine.comm.planner import (LayerInfo, cost_ps_node, cost_ps_worker, cost_ring, cost_sfb,
-                                 plan_layers, plan_table)
-from engine.comm.ps import PSParam, make_layout
+                                 make_plan, plan_layers, plan_table)
+from engine.comm.schemes.base import Device
+from engine.comm.schemes.ps import PSParam, make_layout
+from engine.perf.link import Link
 
 
 def fc(name, m, n, k, bias=False):
@@ -14,14 +18,15 @@ def fc(name, m, n, k, bias=False):
 
 
 def test_vgg_fc6_prefers_sfb():
-    [p] = plan_layers([fc("fc6", 25088, 4096, 32)], p1=8)
+    [p] = plan_layers([fc("fc6", 25088, 4096, 32)], p1=8, comm="hybrid")
     assert round(p.ps_bytes / 1e6) == 1439
     assert round(p.sfb_bytes / 1e6) == 52
     assert p.scheme == "sfb" and p.bytes_per_node == p.sfb_bytes
+    assert p.timings["sfb"].bytes_sent + p.timings["sfb"].bytes_received == p.sfb_bytes
 
 
 def test_vgg_fc8_prefers_ps():
-    [p] = plan_layers([fc("fc8", 4096, 1000, 256)], p1=8)
+    [p] = plan_layers([fc("fc8", 4096, 1000, 256)], p1=8, comm="hybrid")
     assert round(p.ps_bytes / 1e6) == 57
     assert round(p.sfb_bytes / 1e6) == 73
     assert p.scheme == "ps"
@@ -43,12 +48,15 @@ def test_forcing_and_layers_without_factors():
     assert [p.scheme for p in plans] == ["sfb", "ps"]
     plans = plan_layers([fc("fc6", 25088, 4096, 32)], p1=8, allow_sfb=False)
     assert plans[0].scheme == "ps"
+    plans = plan_layers([fc("fc8", 4096, 1000, 256), conv], p1=8, comm="ring")
+    assert [p.scheme for p in plans] == ["ring", "ring"]
     with pytest.raises(ValueError, match="--comm"):
-        plan_layers([conv], p1=2, comm="ring")
+        plan_layers([conv], p1=2, comm="allgather")
 
 
 def test_plan_table_lists_every_layer():
-    plans = plan_layers([fc("fc6", 25088, 4096, 32, bias=True), fc("fc8", 4096, 1000, 256)], p1=8)
+    plans = plan_layers([fc("fc6", 25088, 4096, 32, bias=True), fc("fc8", 4096, 1000, 256)], p1=8,
+                        comm="hybrid")
     text = plan_table(plans, 8)
     assert "fc6" in text and "4096x25088 + 4096" in text and "sfb" in text
     assert "fc8" in text and " ps " in text
@@ -66,3 +74,60 @@ def test_layout_balances_bytes_and_respects_chunk_size():
     load = [sum(c.count for c in layout if c.shard == s) for s in range(3)]
     assert max(load) - min(load) <= 262144  # within one chunk
     assert make_layout(params, 3, 1 << 20) == layout  # deterministic
+
+
+TEN_GBE = Link.from_bandwidth(10e9, 50e-6)
+
+
+def test_auto_takes_the_fastest_scheme_per_layer():
+    """auto compares predicted times: SFB for a wide FC layer with a small batch, ring or PS
+    for a conv layer (no factors), and never a scheme slower than another that applies."""
+    conv = LayerInfo(1, "conv", [(256, 256, 3, 3), (256,)])
+    plans = plan_layers([fc("fc6", 25088, 4096, 32), conv], p1=8, link=TEN_GBE)
+    assert plans[0].scheme == "sfb" and plans[1].scheme in ("ps", "ring")
+    for p in plans:
+        assert p.predicted_s == min(t.total_s for t in p.timings.values())
+        assert set(p.timings) >= {"ps", "ring"}
+
+
+def test_sfb_rebuild_cost_can_make_sfb_lose():
+    """On a slow CPU the rebuild GEMM (2·P·K·M·N flops) outweighs the bytes SFB saves."""
+    layer = fc("fc", 4096, 4096, 256)
+    fast = plan_layers([layer], p1=8, link=TEN_GBE, device=Device(gemm_flops_per_s=5e12))[0]
+    slow = plan_layers([layer], p1=8, link=TEN_GBE, device=Device(gemm_flops_per_s=1e9))[0]
+    assert slow.timings["sfb"].total_s > fast.timings["sfb"].total_s + 10
+    assert slow.scheme != "sfb"
+
+
+def test_ring_bytes_are_two_p_minus_one_over_p():
+    for p in (2, 3, 5, 8):
+        [plan] = plan_layers([LayerInfo(0, "c", [(1000, 10)])], p1=p, comm="ring")
+        t = plan.timings["ring"]
+        assert t.bytes_sent == t.bytes_received == pytest.approx(2 * (p - 1) / p * 40000)
+
+
+def test_fusion_buckets_consecutive_dense_layers_by_size_and_wait():
+    # (layer, scheme, bytes, dense): released top-down 5, 4, 3, 2, 1
+    layers = [(1, "ring", 100, True), (2, "ring", 100, True), (3, "sfb", 50, False),
+              (4, "ring", 300, True), (5, "ring", 100, True)]
+    assert buckets(layers, 0) == [([5], "ring"), ([4], "ring"), ([3], "sfb"), ([2], "ring"),
+                                  ([1], "ring")]
+    assert buckets(layers, 400) == [([5, 4], "ring"), ([3], "sfb"), ([2, 1], "ring")]
+    assert buckets(layers, 300) == [([5], "ring"), ([4], "ring"), ([3], "sfb"), ([2, 1], "ring")]
+    # layer 1's release comes 0.01 s after layer 2's: over a 5 ms limit, so not fused
+    backward = [0.0, 0.01, 0.0, 0.0, 0.0, 0.0]
+    assert buckets(layers, 400, 0.005, backward)[-2:] == [([2], "ring"), ([1], "ring")]
+    assert buckets(layers, 400, 0.05, backward)[-1] == ([2, 1], "ring")
+
+
+def test_plan_travels_as_protobuf_and_prints_its_predictions():
+    conv = LayerInfo(1, "conv1", [(20, 1, 5, 5), (20,)])
+    conv2 = LayerInfo(2, "conv2", [(50, 20, 5, 5), (50,)])
+    fc3 = LayerInfo(3, "fc", [(500, 800)], (64, 800, 500))
+    plan = make_plan([conv, conv2, fc3], 4, comm="ring", link=TEN_GBE, fusion_bytes=1 << 21,
+                     codec="fp16")
+    msg = plan.to_pb()
+    assert [(list(u.layers), u.scheme) for u in msg.units] == [([3, 2, 1], "ring")]
+    assert msg.codec == "fp16" and msg.alpha_s == pytest.approx(50e-6)
+    text = plan_table(plan, 4)
+    assert "fused fc+conv2+conv1 (ring)" in text and "wire fp16" in text and " ms" in text

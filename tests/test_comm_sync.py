@@ -13,8 +13,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from engine.comm.planner import cost_ps_node, cost_ps_worker, cost_sfb
-from engine.comm.ps import PSParam, ShardServer, make_layout
+from engine.comm.codecs import Codec
+from engine.comm.planner import LayerInfo, cost_ps_node, cost_ps_worker, cost_sfb, make_plan
+from engine.comm.schemes.base import Unit
+from engine.comm.schemes.ps import make_layout, unit_vectors
+from engine.comm.shard import ShardServer
 from engine.comm.syncer import LayerSlot, ParamSlot, Syncer, open_worker
 from tests.test_comm_transport import KEY, local_hosts
 
@@ -36,21 +39,28 @@ def _blobs():
                     for s in shapes] for layer, shapes in SHAPES.items()}
 
 
-def _layout(world: int, chunk_bytes: int):
-    params, idx = [], 0
-    for layer, shapes in SHAPES.items():
-        for s in shapes:
-            params.append(PSParam(idx, layer, int(np.prod(s)), "<f4"))
-            idx += 1
-    return make_layout(params, world, chunk_bytes)
+def _infos():
+    return [LayerInfo(layer, f"l{layer}", shapes, (K, M, N) if layer == 1 else None)
+            for layer, shapes in SHAPES.items()]
+
+
+def _plan(world: int, scheme: str, chunk_bytes: int, link=None):
+    """Layer 1 (the FC layer) by ``scheme``, the others by PS."""
+    return make_plan(_infos(), world, comm=scheme, link=link, chunk_bytes=chunk_bytes)
+
+
+def _layout(world: int, chunk_bytes: int, scheme: str = "ps"):
+    """The chunk table the workers of this test compute."""
+    slots = {l: LayerSlot(l, f"l{l}", [ParamSlot(0, "", SimpleNamespace(
+        diff=np.zeros(s, np.float32)), "other") for s in shapes]) for l, shapes in SHAPES.items()}
+    units = [Unit([slots[l] for l in ls], s) for ls, s in _plan(world, scheme, chunk_bytes).units
+             if s == "ps"]
+    return make_layout(unit_vectors(units, Codec().vectors, "<f4"), world, chunk_bytes)
 
 
 def worker_main(rank, hosts, scheme, rounds, chunk_bytes, backward_s, out):
     try:
         blobs = _blobs()
-        schemes = {0: "ps", 1: scheme, 2: "ps"}
-        layout = _layout(len(hosts), chunk_bytes)
-        layout = [c for c in layout if schemes[c.layer] == "ps"]
         state = {}
         layers, idx = {}, 0
         for layer, bl in blobs.items():
@@ -68,7 +78,8 @@ def worker_main(rank, hosts, scheme, rounds, chunk_bytes, backward_s, out):
                 b.data -= LR * b.diff
 
         ep = open_worker(rank, hosts, key=KEY, timeout=10)
-        sync = Syncer(ep, layers, schemes, layout, update)
+        sync = Syncer(ep, layers, update, chunk_bytes=chunk_bytes,
+                      planner=lambda link: _plan(len(hosts), scheme, chunk_bytes, link))
         for rnd in range(rounds):
             for layer in blobs:                        # forward: per-layer wait
                 sync.wait(layer)

@@ -34,7 +34,7 @@ import zmq
 from google.protobuf import text_format
 
 from engine.caffe_io import blob_to_array, read_net_binary, read_net_prototxt
-from engine.comm.planner import cost_ps_node, cost_ps_worker, cost_sfb
+from engine.comm.planner import cost_ps_node, cost_ps_worker, cost_ring, cost_sfb
 from engine.pb import caffe_pb2
 from engine.pb import poseidon_pb2 as pb
 from tests.conftest import shared_path
@@ -174,9 +174,10 @@ def forge_forever(port: int, stop: threading.Event) -> int:
     sock = zmq.Context.instance().socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://127.0.0.1:{port}")
-    wrong_shape = pb.Header(kind=pb.FACTORS, sender_role=pb.WORKER, sender=1, layer=3)
+    wrong_shape = pb.Header(kind=pb.DATA, scheme="sfb", sender_role=pb.WORKER, sender=1, layer=3)
     wrong_shape.arrays.add(dtype="<f4", shape=[2, 2])
-    unknown_layer = pb.Header(kind=pb.SUM, sender_role=pb.SHARD, sender=1, param=99)
+    unknown_layer = pb.Header(kind=pb.DATA, scheme="ps", op=1, sender_role=pb.SHARD, sender=1,
+                              param=99)
     unknown_layer.arrays.add(dtype="<f4", shape=[4])
     sent = 0
     while not stop.is_set():
@@ -209,11 +210,14 @@ def check_plan_and_counters(s: dict, world: int, comm: str, k: int) -> None:
             want = comm if comm != "hybrid" else ("sfb" if sfb < ps else "ps")
         else:
             assert p["sfb_bytes"] is None, p
-            want = "ps"
+            want = "ring" if comm == "ring" else "ps"
         assert p["scheme"] == want and counters[p["layer"]]["scheme"] == want, (p, comm)
         row = counters[p["layer"]]
         if want == "sfb":  # K rows of u (N wide) and v (M wide) to and from each of P-1 peers
             assert row["net_sent_per_iter"] + row["net_recv_per_iter"] == sfb, row
+        elif want == "ring":  # 2(P-1)/P of the layer each way, to within the uneven segments
+            moved = row["net_sent_per_iter"] + row["net_recv_per_iter"]
+            assert abs(moved - FLOAT * cost_ring(params, world)) <= 2 * world * FLOAT, row
         else:  # the worker pushes and pulls every float once
             assert row["all_sent_per_iter"] + row["all_recv_per_iter"] == FLOAT * cost_ps_worker(params), row
 
@@ -267,6 +271,6 @@ def test_reference_is_not_chaotic(net_case, reference, tmp_path):
     assert worst[1] <= BOUND / 10, worst
 
 
-@pytest.mark.parametrize("comm", ["ps", "sfb", "hybrid"])
+@pytest.mark.parametrize("comm", ["ps", "sfb", "hybrid", "ring"])
 def test_two_workers_equal_one_worker_with_twice_the_batch(comm, net_case, reference, tmp_path):
     check_p_workers_equal_one_worker(2, comm, net_case, reference, tmp_path)

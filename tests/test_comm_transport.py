@@ -75,7 +75,7 @@ def test_forged_messages_are_dropped_and_receiver_keeps_working():
         good = np.arange(12, dtype=np.float32).reshape(shape)
 
         def claim(rnd: int, dtype: str = "<f4", dims=(3, 4), role=pb.WORKER, who=2) -> list[bytes]:
-            h = header(pb.FACTORS, layer=5, sender_role=role, sender=who, round=rnd)
+            h = header(pb.DATA, scheme="sfb", layer=5, sender_role=role, sender=who, round=rnd)
             h.arrays.add(dtype=dtype, shape=list(dims))
             return [h.SerializeToString(), good.tobytes()]
 
@@ -97,14 +97,14 @@ def test_forged_messages_are_dropped_and_receiver_keeps_working():
         raw.send_multipart(signed(claim(2, dims=(100,)), insider))
         raw.send_multipart(signed(claim(3, role=pb.SHARD, who=7), insider))
         raw.send_multipart(signed(claim(4, dtype="|O"), insider))
-        sender.send((WORKER, 0), header(pb.FACTORS, layer=5), [np.zeros((4, 3), np.float32)])
-        sender.send((WORKER, 0), header(pb.FACTORS, layer=9, round=1), [good])
+        sender.send((WORKER, 0), header(pb.DATA, scheme="sfb", layer=5), [np.zeros((4, 3), np.float32)])
+        sender.send((WORKER, 0), header(pb.DATA, scheme="sfb", layer=9, round=1), [good])
         # then the real one, and a replay of an authentic message
-        sender.send((WORKER, 0), header(pb.FACTORS, layer=5, round=0), [good])
+        sender.send((WORKER, 0), header(pb.DATA, scheme="sfb", layer=5, round=0), [good])
         replayed = signed(claim(5), insider)
         raw.send_multipart(replayed)
         raw.send_multipart(replayed)
-        [msg] = recv.wait_for([message_key(pb.FACTORS, (WORKER, 1), 0, 5)], "factors", timeout=5)
+        [msg] = recv.wait_for([message_key(pb.DATA, (WORKER, 1), 0, 5)], "factors", timeout=5)
         np.testing.assert_array_equal(msg.arrays[0], good)
         expected = unauthenticated + 6 + 1
         deadline = time.monotonic() + 5
@@ -129,8 +129,8 @@ def test_a_frame_over_the_limit_disconnects_its_sender_and_nothing_else():
     try:
         raw.send_multipart([b"x" * 4096])
         small = np.ones(16, np.float32)
-        sender.send((WORKER, 0), header(pb.FACTORS, layer=5), [small])
-        [msg] = recv.wait_for([message_key(pb.FACTORS, (WORKER, 1), 0, 5)], "factors", timeout=5)
+        sender.send((WORKER, 0), header(pb.DATA, scheme="sfb", layer=5), [small])
+        [msg] = recv.wait_for([message_key(pb.DATA, (WORKER, 1), 0, 5)], "factors", timeout=5)
         np.testing.assert_array_equal(msg.arrays[0], small)
         assert recv.dropped == 0 and recv.error is None  # the big one never reached Python
     finally:
@@ -144,7 +144,7 @@ def test_receive_timeout_names_who_is_missing():
     ep = Endpoint((WORKER, 0), hosts, [(WORKER, 1), (SHARD, 2)], key=KEY, timeout=0.6)
     try:
         with pytest.raises(CommError, match=r"waiting for sums from shard 2 \(127\.0\.0\.1:\d+\), worker 1"):
-            ep.wait_for([message_key(pb.SUM, (WORKER, 1)), message_key(pb.SUM, (SHARD, 2))], "sums",
+            ep.wait_for([message_key(pb.DATA, (WORKER, 1)), message_key(pb.DATA, (SHARD, 2))], "sums",
                         timeout=0.3)
     finally:
         ep.close(say_bye=False)

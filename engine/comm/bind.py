@@ -1,9 +1,11 @@
 """The adapter between a Net and the communicator: which arrays each layer synchronises.
 
-engine.comm never imports a layer class. This module looks at a built Net duck-typed: the
-learnable parameters each layer owns, and whether a layer hands out sufficient factors
-(``hasattr(layer, "sufficient_factors")``, the InnerProduct contract: u = top diff K x N,
-v = bottom data K x M; weight gradient uᵀ·v, or vᵀ·u with ``transpose: true``).
+engine.comm never imports a layer class and never reads a layer's protobuf. It looks at a
+built Net duck-typed: the learnable parameters each layer owns, and whether a layer hands out
+sufficient factors (``layer.factor_spec()``: the InnerProduct contract, K rows, M inputs, N
+outputs and the orientation of the weight; ``layer.sufficient_factors()`` after a backward;
+``layer.defer_weight_gradient``, which spares the layer's own weight-gradient GEMM when SFB
+rebuilds it).
 """
 from __future__ import annotations
 
@@ -12,8 +14,7 @@ from typing import Any
 import numpy as np
 
 from .planner import LayerInfo
-from .ps import PSParam
-from .syncer import LayerSlot, ParamSlot
+from .schemes.base import LayerSlot, ParamSlot
 
 
 def describe_net(net: Any) -> tuple[dict[int, LayerSlot], list[LayerInfo]]:
@@ -32,26 +33,33 @@ def describe_net(net: Any) -> tuple[dict[int, LayerSlot], list[LayerInfo]]:
         layer = net.layers[li]
         idx = owned[li]
         blobs = [net.learnable_params[i] for i in idx]
-        shape = _factor_shape(net, li, layer, blobs, uses)
-        transpose = shape is not None and bool(layer.param.inner_product_param.transpose)
+        spec = _factor_spec(net, li, layer, blobs, uses)
+        shape = (spec.k, spec.m, spec.n) if spec is not None else None
         params = []
         for i, blob in zip(idx, blobs):
             j = int(net.param_names[i].rsplit("/", 1)[1])
             role = "other"
-            if shape is not None:
-                role = ("weight_t" if transpose else "weight") if j == 0 else "bias"
+            if spec is not None:
+                role = ("weight_t" if spec.transposed else "weight") if j == 0 else "bias"
             params.append(ParamSlot(i, net.param_names[i], blob, role))
         slots[li] = LayerSlot(li, net.layer_names[li], params,
-                              layer.sufficient_factors if shape is not None else None, shape)
+                              layer.sufficient_factors if spec is not None else None, shape,
+                              _deferrer(layer) if spec is not None else None)
         infos.append(LayerInfo(li, net.layer_names[li], [tuple(b.shape) for b in blobs], shape,
                                int(np.dtype(blobs[0].dtype).itemsize)))
     return slots, infos
 
 
-def _factor_shape(net: Any, li: int, layer: Any, blobs: list[Any],
-                  uses: dict[int, int]) -> tuple[int, int, int] | None:
-    """(K, M, N) when layer ``li``'s gradients can be rebuilt from its sufficient factors."""
-    if not hasattr(layer, "sufficient_factors") or not 1 <= len(blobs) <= 2:
+def _deferrer(layer: Any) -> Any:
+    def defer(on: bool) -> None:
+        layer.defer_weight_gradient = on
+    return defer
+
+
+def _factor_spec(net: Any, li: int, layer: Any, blobs: list[Any], uses: dict[int, int]) -> Any:
+    """The layer's factor spec when its gradients can be rebuilt from sufficient factors."""
+    spec = layer.factor_spec() if hasattr(layer, "factor_spec") else None
+    if spec is None or not 1 <= len(blobs) <= 2:
         return None
     if any(uses.get(id(b), 0) != 1 for b in blobs):
         return None
@@ -59,17 +67,4 @@ def _factor_shape(net: Any, li: int, layer: Any, blobs: list[Any],
         return None
     if hasattr(net, "layer_need_backward") and not net.layer_need_backward[li]:
         return None
-    w = blobs[0].shape
-    if len(w) != 2:
-        return None
-    m, n = (w[0], w[1]) if layer.param.inner_product_param.transpose else (w[1], w[0])
-    count = net.bottom_vecs[li][0].count
-    if count % m:
-        return None
-    return count // m, m, n
-
-
-def ps_params(slots: dict[int, LayerSlot], schemes: dict[int, str]) -> list[PSParam]:
-    """The parameters the PS carries (every layer not synchronised by SFB)."""
-    return [PSParam(p.index, li, int(p.blob.diff.size), np.dtype(p.blob.diff.dtype).str)
-            for li, slot in sorted(slots.items()) if schemes[li] == "ps" for p in slot.params]
+    return spec

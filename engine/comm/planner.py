@@ -1,22 +1,41 @@
-"""SACP planner: per layer, parameter server or sufficient-factor broadcasting, by cost.
+"""The planner: per layer the cheapest scheme, fusion buckets, and the plan every worker follows.
 
-Costs are floats sent + received per node per iteration (DESIGN.md), for an FC layer with an
-M x N weight, batch K, P1 workers and P2 server shards:
+Each scheme prices a layer with its own ``timing`` (engine/comm/schemes) on the job's link
+(alpha, beta: probed at start-up or given with ``--link``) and device (update, GEMM and add
+speeds), the same functions the DAG model of ``poseidon simulate`` uses. ``--comm`` picks:
+
+    auto    per layer the fastest of PS, SFB and ring (the default)
+    hybrid  Poseidon's SACP: SFB where it moves fewer bytes than PS, else PS
+    ps | sfb | ring   that scheme wherever the layer allows it (else PS)
+
+SACP's byte counts (floats sent + received per node per iteration; DESIGN.md), for an FC layer
+with an M x N weight, batch K, P1 workers and P2 server shards:
 
     PS, worker only               2MN
     PS, node = worker + server    2MN(P1+P2-2)/P2
     SFB                           2K(P1-1)(M+N)
-    ring allreduce                4MN(P1-1)/P1          (reported, not chosen)
+    ring allreduce                4MN(P1-1)/P1
 
-Poseidon runs a shard on every node, so PS is priced with the worker+server formula. A layer
-can use SFB only when it hands out sufficient factors (an InnerProduct weight whose gradient
-is exactly uᵀ·v); its bias rides along for free (the sum of u's rows).
+Then consecutive layers with the same dense scheme (PS, ring) are fused into buckets
+(engine/comm/fusion.py). Rank 0 makes the plan and sends it to every worker (engine/comm/plan
+travels as a poseidon.Plan), so all follow one plan even where their measurements differ.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
-SCHEMES = ("ps", "sfb", "hybrid")
+from engine.pb import poseidon_pb2 as pb
+from engine.perf.link import Link
+
+from .fusion import buckets
+from .schemes import SCHEMES
+from .schemes.base import Device, LayerTiming
+from .schemes.ps import DEFAULT_CHUNK_BYTES
+
+COMM_MODES = ("auto", "hybrid", "ps", "sfb", "ring")
+#: a loopback-like link for planning when none is known (tests, simulate without --link)
+DEFAULT_LINK = Link(50e-6, 1 / 1.25e9, "default: 10 Gbit/s, 50 us")
 
 
 def cost_ps_worker(params: int) -> float:
@@ -60,58 +79,140 @@ class LayerInfo:
 class LayerPlan:
     info: LayerInfo
     scheme: str
-    ps_bytes: float
-    sfb_bytes: float | None
-    ring_bytes: float
+    #: every scheme that can carry the layer -> its cost
+    timings: dict[str, LayerTiming]
+    world: int
     reason: str = ""
-    bytes_per_node: float = field(init=False)
+    ps_bytes: float = field(init=False)
+    sfb_bytes: float | None = field(init=False)
+    ring_bytes: float = field(init=False)
 
     def __post_init__(self) -> None:
-        self.bytes_per_node = self.sfb_bytes if self.scheme == "sfb" else self.ps_bytes
+        size, p = self.info.itemsize, self.world
+        self.ps_bytes = cost_ps_node(self.info.params, p, p) * size
+        f = self.info.factors
+        self.sfb_bytes = cost_sfb(f[1], f[2], f[0], p) * size if f else None
+        self.ring_bytes = cost_ring(self.info.params, p) * size
+
+    @property
+    def predicted_s(self) -> float:
+        return self.timings[self.scheme].total_s
+
+    @property
+    def bytes_per_node(self) -> float:
+        t = self.timings[self.scheme]
+        return t.bytes_sent + t.bytes_received
 
 
-def plan_layers(layers: list[LayerInfo], p1: int, p2: int | None = None,
-                comm: str = "hybrid", allow_sfb: bool = True) -> list[LayerPlan]:
+def plan_layers(layers: Sequence[LayerInfo], p1: int, comm: str = "auto",
+                allow_sfb: bool = True, link: Link | None = None, device: Device | None = None,
+                chunk_bytes: int = DEFAULT_CHUNK_BYTES, wire_itemsize: int = 4
+                ) -> list[LayerPlan]:
     """One plan per layer. ``comm`` forces a scheme where the layer allows it."""
-    if comm not in SCHEMES:
-        raise ValueError(f"--comm must be one of {', '.join(SCHEMES)}, got {comm!r}")
-    p2 = p1 if p2 is None else p2
+    if comm not in COMM_MODES:
+        raise ValueError(f"--comm must be one of {', '.join(COMM_MODES)}, got {comm!r}")
+    link = link or DEFAULT_LINK
+    device = device or Device()
     plans = []
     for info in layers:
-        size = info.itemsize
-        ps = cost_ps_node(info.params, p1, p2) * size
-        ring = cost_ring(info.params, p1) * size
-        sfb = None
-        if info.factors is not None:
-            k, m, n = info.factors
-            sfb = cost_sfb(m, n, k, p1) * size
-        if sfb is None or not allow_sfb:
-            scheme = "ps"
-            reason = "no sufficient factors" if sfb is None else "SFB not allowed (iter_size > 1)"
+        timings = {}
+        for name, scheme in SCHEMES.items():
+            if not scheme.applies(info) or (name == "sfb" and not allow_sfb):
+                continue
+            itemsize = wire_itemsize if scheme.dense else info.itemsize
+            timings[name] = scheme.timing(info, p1, link, device, chunk_bytes, itemsize)
+        if comm == "auto":
+            scheme = min(timings, key=lambda s: timings[s].total_s)
+            reason = "fastest"
         elif comm == "hybrid":
-            scheme = "sfb" if sfb < ps else "ps"
-            reason = "cheaper"
-        else:
+            sfb_ok = "sfb" in timings
+            scheme = "sfb" if sfb_ok and cost_sfb(*_mnk(info), p1) < cost_ps_node(
+                info.params, p1, p1) else "ps"
+            reason = "fewer bytes" if sfb_ok else "no sufficient factors"
+        elif comm in timings:
             scheme, reason = comm, "forced"
-        plans.append(LayerPlan(info, scheme, ps, sfb, ring, reason))
+        else:
+            scheme = "ps"
+            reason = ("SFB not allowed (iter_size > 1)" if info.factors is not None
+                      else "no sufficient factors")
+        plans.append(LayerPlan(info, scheme, timings, p1, reason))
     return plans
 
 
-def plan_table(plans: list[LayerPlan], p1: int, p2: int | None = None) -> str:
-    """The plan as the text table rank 0 prints at start-up."""
-    p2 = p1 if p2 is None else p2
-    rows = [f"Communication plan: {p1} workers, {p2} server shards (bytes sent+received per node per iteration)",
-            f"{'layer':<16} {'shape':<24} {'scheme':<6} {'bytes/iter':>12} {'PS':>12} {'SFB':>12} {'ring':>12}"]
-    total = 0.0
+def _mnk(info: LayerInfo) -> tuple[int, int, int]:
+    k, m, n = info.factors  # type: ignore[misc]
+    return m, n, k
+
+
+@dataclass
+class Plan:
+    """The job's plan: each layer's scheme, the units (fusion buckets) and the wire codec."""
+    layers: list[LayerPlan]
+    units: list[tuple[list[int], str]]
+    link: Link
+    codec: str = "fp32"
+    sparse_ratio: float = 0.0
+    sparse_warmup: int = 0
+
+    def to_pb(self) -> pb.Plan:
+        return pb.Plan(units=[pb.UnitPlan(layers=l, scheme=s) for l, s in self.units],
+                       alpha_s=self.link.alpha_s, beta_s_per_byte=self.link.beta_s_per_byte,
+                       codec=self.codec, sparse_ratio=self.sparse_ratio,
+                       sparse_warmup=self.sparse_warmup)
+
+
+def make_plan(layers: Sequence[LayerInfo], world: int, comm: str = "auto",
+              allow_sfb: bool = True, link: Link | None = None, device: Device | None = None,
+              chunk_bytes: int = DEFAULT_CHUNK_BYTES, codec: str = "fp32",
+              fusion_bytes: int = 0, fusion_s: float = float("inf"),
+              backward_s: Sequence[float] | None = None, sparse_ratio: float = 0.0,
+              sparse_warmup: int = 0) -> Plan:
+    """Rank 0's plan: schemes per layer, then fusion buckets of consecutive dense layers.
+
+    ``backward_s``: estimated backward seconds of every net layer (index = layer), for the
+    ``fusion_s`` limit on how long a bucket's first layer may wait for its last."""
+    link = link or DEFAULT_LINK
+    wire = 2 if codec == "fp16" else 4
+    plans = plan_layers(layers, world, comm, allow_sfb, link, device, chunk_bytes, wire)
+    units = buckets([(p.info.layer, p.scheme, p.info.params * p.info.itemsize,
+                      SCHEMES[p.scheme].dense) for p in plans],
+                    fusion_bytes, fusion_s, backward_s)
+    return Plan(plans, units, link, codec, sparse_ratio, sparse_warmup)
+
+
+def plan_table(plan: Plan | Sequence[LayerPlan], p1: int) -> str:
+    """The plan as the text table rank 0 prints at start-up, with predicted times."""
+    plans = plan.layers if isinstance(plan, Plan) else list(plan)
+    head = f"Communication plan: {p1} workers, {p1} server shards"
+    if isinstance(plan, Plan):
+        head += (f"; link alpha {plan.link.alpha_s * 1e6:.1f} us, "
+                 f"{plan.link.bits_per_s / 1e9:.2f} Gbit/s ({plan.link.source}); "
+                 f"wire {plan.codec}")
+    rows = [head, "(bytes sent+received per node per iteration; time: release to applied, "
+            "alone on the link)",
+            f"{'layer':<16} {'shape':<24} {'scheme':<6} {'bytes/iter':>12} {'time':>9} "
+            f"{'PS':>9} {'SFB':>9} {'ring':>9}"]
+    total_b = total_t = 0.0
     for p in plans:
         shape = " + ".join("x".join(str(d) for d in s) for s in p.info.shapes)
-        sfb = _mb(p.sfb_bytes) if p.sfb_bytes is not None else "-"
+        times = [_ms(p.timings[s].total_s) if s in p.timings else "-" for s in ("ps", "sfb", "ring")]
         rows.append(f"{p.info.name:<16} {shape:<24} {p.scheme:<6} {_mb(p.bytes_per_node):>12} "
-                    f"{_mb(p.ps_bytes):>12} {sfb:>12} {_mb(p.ring_bytes):>12}")
-        total += p.bytes_per_node
-    rows.append(f"{'total':<16} {'':<24} {'':<6} {_mb(total):>12}")
+                    f"{_ms(p.predicted_s):>9} " + " ".join(f"{t:>9}" for t in times))
+        total_b += p.bytes_per_node
+        total_t += p.predicted_s
+    rows.append(f"{'total':<16} {'':<24} {'':<6} {_mb(total_b):>12} {_ms(total_t):>9}")
+    if isinstance(plan, Plan):
+        names = {p.info.layer: p.info.name for p in plans}
+        fused = [u for u in plan.units if len(u[0]) > 1]
+        rows.append(f"{len(plan.units)} units" + (
+            ": fused " + "; ".join(f"{'+'.join(names[l] for l in ls)} ({s})" for ls, s in fused)
+            if fused else " (no fusion)"))
     return "\n".join(rows)
 
 
 def _mb(b: float) -> str:
     return f"{b / 1e6:.3f} MB"
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.2f} ms"

@@ -1,19 +1,26 @@
-"""DWBP syncer: wait-free backprop — each layer's gradients go on the wire the moment they exist.
+"""The DWBP syncer: wait-free backprop, scheduling only.
 
 ``release(layer)`` is called by ``net.backward`` as soon as a layer's parameter gradients are
-complete; it queues them and returns, so the backward of the layers below goes on while these
-bytes travel. A sender thread pushes PS chunks to their shards or broadcasts an SFB layer's
-sufficient factors; a reducer thread, in release order, gathers the global sum, divides by P
-(the mean gradient: P workers with batch B compute what one worker with batch P·B computes),
-writes it into the parameters' diffs and calls the solver's ``update_layer``. ``wait(layer)``
-blocks the next forward of a layer until its update is applied (BSP, per layer).
+complete; it returns at once, so the backward of the layers below goes on while these bytes
+travel. When every layer of a unit (one layer, or a fusion bucket) is released, the unit's
+scheme takes it on the *progress thread*, which also takes every checked message; schemes run
+event-driven there and call ``done`` when a unit's mean gradient is in its diffs, which applies
+the solver's ``update_layer``. A *sender thread* moves the schemes' messages, lowest layer first
+when several wait (the next forward needs the bottom layer first). ``wait(layer)`` blocks the
+next forward of a layer until its update is applied (BSP, per layer).
+
+At start-up every worker and shard meet: HELLO (same net, same settings), rank 0 probes the
+link to rank 1 (unless one was given), makes the plan and sends it to every worker (PLAN) and
+the PS chunk table to the shards (LAYOUT); everyone installs it and says READY.
 """
 from __future__ import annotations
 
 import hashlib
+import itertools
+import logging
+import math
 import queue
 import threading
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -21,118 +28,99 @@ import numpy as np
 from engine import backend
 from engine.pb import poseidon_pb2 as pb
 from engine.perf import timeline
+from engine.perf.link import Link
 
+from .codecs import Codec, make_codec
 from .errors import CommError
 from .hosts import HostEntry
-from .ps import Chunk, layout_digest
+from .planner import DEFAULT_LINK, Plan
+from .probe import probe_link
+from .schemes import SCHEMES, Scheme
+from .schemes.base import SNAPSHOT_BIT, STOP_BIT, LayerSlot, ParamSlot, Unit
+from .schemes.ps import DEFAULT_CHUNK_BYTES, PS, layout_digest
 from .stats import CommStats, now
 from .transport import (HEADER_BYTES, HEADER_BYTES_PER_CHUNK, SHARD, WORKER, Endpoint, Message,
-                        header, message_key)
+                        PeerId, header, message_key)
 
+log = logging.getLogger("poseidon.comm")
 
 #: what a signal asks for, as bits on the wire (Header.request)
-REQUEST_BITS = {"snapshot": 1, "stop": 2}
+REQUEST_BITS = {"snapshot": SNAPSHOT_BIT, "stop": STOP_BIT}
 
-
-@dataclass
-class ParamSlot:
-    index: int       # learnable-parameter index, the id on the wire
-    name: str        # "layer/i"
-    blob: Any        # has .diff (numpy or cupy)
-    role: str        # "weight" (grad uᵀ·v), "weight_t" (grad vᵀ·u), "bias" (Σ rows of u), "other"
-
-
-@dataclass
-class LayerSlot:
-    layer: int
-    name: str
-    params: list[ParamSlot]
-    #: returns the sufficient factors (u, v) of the last backward; None if not an FC layer
-    factors: Callable[[], tuple[Any, Any]] | None = None
-    #: (K, M, N): u is K x N and v is K x M, the shapes peers' FACTORS are checked against
-    factor_shape: tuple[int, int, int] | None = None
+__all__ = ["LayerSlot", "ParamSlot", "Syncer", "open_worker", "frame_limit", "REQUEST_BITS"]
 
 
 def open_worker(rank: int, hosts: Sequence[HostEntry], *, key: bytes, timeout: float = 30.0,
                 stats: CommStats | None = None, exit_grace: float | None = None,
                 snapshot_hint: Callable[[], str | None] | None = None,
-                max_frame_bytes: int | None = None) -> Endpoint:
-    """Bind worker ``rank``'s socket and connect to every worker and shard (no traffic yet)."""
+                max_frame_bytes: int | None = None, shards: bool = True) -> Endpoint:
+    """Bind worker ``rank``'s socket and connect to every worker (and every shard unless
+    ``shards`` is False: a job without PS). No traffic yet."""
     world = len(hosts)
-    peers = [(WORKER, r) for r in range(world)] + [(SHARD, s) for s in range(world)]
+    peers = [(WORKER, r) for r in range(world)] + ([(SHARD, s) for s in range(world)]
+                                                    if shards else [])
     return Endpoint((WORKER, rank), hosts, peers, key=key, timeout=timeout, stats=stats,
                     exit_grace=exit_grace, snapshot_hint=snapshot_hint,
                     max_frame_bytes=max_frame_bytes)
 
 
-def frame_limit(layout: Sequence[Chunk], slots: Mapping[int, LayerSlot]) -> int:
-    """The largest frame a process of this job sends: a chunk, a layer's factor (u or v, at
-    most 8 bytes a value), or a header (LAYOUT lists every chunk). ZMQ_MAXMSGSIZE."""
-    biggest = max((c.count * np.dtype(c.dtype).itemsize for c in layout), default=0)
+def frame_limit(slots: Mapping[int, LayerSlot], world: int,
+                chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """The largest frame a process of this job may send, whatever the plan: a PS chunk or a
+    ring sub-chunk (at most ``chunk_bytes`` and one value), a layer's factor (u or v), or a
+    header (LAYOUT lists every chunk). ZMQ_MAXMSGSIZE."""
+    biggest = chunk_bytes + 8
+    chunks = 0
     for s in slots.values():
+        nbytes = s.count * 8
+        chunks += 2 * (math.ceil(nbytes / chunk_bytes) + world)  # values and a codec's index
         if s.factor_shape is not None:
             k, m, n = s.factor_shape
             biggest = max(biggest, 8 * k * max(m, n))
-    return max(biggest, HEADER_BYTES + HEADER_BYTES_PER_CHUNK * len(layout))
+    return max(biggest, HEADER_BYTES + HEADER_BYTES_PER_CHUNK * chunks)
 
 
-def meet(ep: Endpoint, layout: Sequence[Chunk]) -> None:
-    """The start-up barrier: every worker and shard is up and agrees on the layout.
-
-    Rank 0 hands the chunk table to the shards. Called once this worker can check data
-    messages (a fast peer may send its first gradients the moment the barrier opens).
-    """
-    world = len(ep.hosts)
-    workers = [(WORKER, r) for r in range(world)]
-    shards = [(SHARD, s) for s in range(world)]
-    digest = layout_digest(layout)
-    if ep.me == (WORKER, 0):
-        ep.broadcast(shards, header(pb.LAYOUT, layout=[c.to_pb() for c in layout]))
-    ep.broadcast(ep.peers, header(pb.HELLO, layout_digest=digest, world_size=world))
-    hellos = ep.wait_for([message_key(pb.HELLO, w) for w in workers if w != ep.me],
-                         "start-up HELLO")
-    for m in hellos:
-        if m.header.world_size != world or m.header.layout_digest != digest:
-            ep.fatal(f"{ep.name_of(m.sender)} runs a different configuration "
-                     "(hosts file, net or --chunk-bytes differ)")
-            raise CommError(ep.error)
-    ep.wait_for([message_key(pb.READY, s) for s in shards], "shard READY")
+def config_digest(slots: Mapping[int, LayerSlot], chunk_bytes: int) -> bytes:
+    """What every worker of a job must agree on before a plan can fit them all."""
+    h = hashlib.sha256(f"chunk_bytes={chunk_bytes};".encode())
+    for li in sorted(slots):
+        s = slots[li]
+        shapes = [tuple(p.blob.diff.shape) for p in s.params]
+        h.update(f"{li},{s.name},{shapes},{s.factor_shape};".encode())
+    return h.digest()
 
 
 class Syncer:
     """The per-layer gradient synchroniser a Solver drives (release / wait / wait_all / close).
 
-    Construction installs the message checker on ``ep`` (from ``open_worker``) and then runs
-    the start-up barrier.
+    ``planner(link) -> Plan`` is rank 0's (the others follow the plan it sends); ``link``, when
+    given, replaces the start-up probe. Construction runs the start-up barrier.
     """
 
-    def __init__(self, ep: Endpoint, layers: dict[int, LayerSlot], schemes: dict[int, str],
-                 layout: Sequence[Chunk], update_layer: Callable[[int], None],
-                 on_round_done: Callable[[int], None] | None = None) -> None:
+    def __init__(self, ep: Endpoint, layers: dict[int, LayerSlot],
+                 update_layer: Callable[[int], None], *,
+                 planner: Callable[[Link], Plan] | None = None, link: Link | None = None,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, priority: bool = True,
+                 on_round_done: Callable[[int], None] | None = None,
+                 on_plan: Callable[[Plan], None] | None = None) -> None:
         self.ep = ep
         self.rank = ep.me[1]
         self.world = len(ep.hosts)
         self.layers = layers
-        self.schemes = schemes
         self.update_layer = update_layer
         self.on_round_done = on_round_done
-        self._last_layer = min(layers) if layers else -1  # released last in a backward
+        self.chunk_bytes = chunk_bytes
+        self.priority = priority
         self.stats = ep.stats
-        for i, slot in layers.items():
-            self.stats.layer_names[i] = slot.name
-        self._chunks: dict[int, list[Chunk]] = {}
-        self._chunk_by_id = {(c.param, c.chunk): c for c in layout}
-        for c in layout:
-            self._chunks.setdefault(c.param, []).append(c)
-        self._factor_shapes: dict[int, tuple[tuple[int, ...], tuple[int, ...], str]] = {}
-        for i, slot in layers.items():
-            if schemes.get(i) == "sfb":
-                if slot.factors is None or slot.factor_shape is None:
-                    ep.close(say_bye=False)
-                    raise CommError(f"layer {slot.name} has no sufficient factors for SFB")
-                k, m, n = slot.factor_shape
-                dtype = np.dtype(slot.params[0].blob.diff.dtype).str
-                self._factor_shapes[i] = ((k, n), (k, m), dtype)
+        self.codec: Codec = Codec()
+        self.units: dict[int, Unit] = {}
+        self.plan: pb.Plan | None = None
+        self._planner = planner
+        self._link = link
+        self._on_plan = on_plan
+        self._schemes: dict[str, Scheme] = {}
+        self._unit_of: dict[int, Unit] = {}
+        self._last_layer = min(layers) if layers else -1  # released last in a backward
         #: signal bits (SNAPSHOT | STOP) for the messages of the next round this worker sends
         self._request_out = 0
         #: round -> OR of the signal bits in that round's messages, identical on every worker
@@ -140,43 +128,135 @@ class Syncer:
         self._requests_taken = 0  # rounds below this one have been handed to the solver
         self._released = {i: 0 for i in layers}
         self._applied = {i: 0 for i in layers}
+        self._rounds_done: dict[int, int] = {}
+        #: (unit, round) -> [layers released, bits, first release time]
+        self._pending: dict[tuple[int, int], list[Any]] = {}
+        #: (unit, round) -> (started, released): for the timeout and the overlap counters
+        self._outstanding: dict[tuple[int, int], tuple[float, float]] = {}
+        self._watched = now()
         self._cond = threading.Condition()
-        self._send_q: queue.Queue = queue.Queue()
-        self._reduce_q: queue.Queue = queue.Queue()
+        self._seq = itertools.count()
+        self._send_q: queue.PriorityQueue = queue.PriorityQueue()
+        self._events: queue.Queue = queue.Queue()
         ep.checker = self._check
+        ep.handler = self._events.put
         ep.on_fatal.append(self._wake)
         self._threads = [threading.Thread(target=self._guard, args=(self._send_loop,),
                                           name="poseidon-send", daemon=True),
-                         threading.Thread(target=self._guard, args=(self._reduce_loop,),
-                                          name="poseidon-reduce", daemon=True)]
+                         threading.Thread(target=self._guard, args=(self._progress_loop,),
+                                          name="poseidon-progress", daemon=True)]
         for t in self._threads:
             t.start()
         try:
-            meet(ep, layout)
+            self._meet()
         except BaseException:
             ep.disarm()
             self._shutdown()
             raise
 
+    # ------------------------------------------------------------------ start-up
+    def _meet(self) -> None:
+        ep = self.ep
+        workers = [(WORKER, r) for r in range(self.world)]
+        others = [w for w in workers if w != ep.me]
+        shards = [p for p in ep.peers if p[0] == SHARD]
+        digest = config_digest(self.layers, self.chunk_bytes)
+        ep.broadcast(ep.peers, header(pb.HELLO, layout_digest=digest, world_size=self.world))
+        for m in ep.wait_for([message_key(pb.HELLO, w) for w in others], "start-up HELLO"):
+            if m.header.world_size != self.world or m.header.layout_digest != digest:
+                self._fail(f"{ep.name_of(m.sender)} runs a different configuration "
+                           "(hosts file, net or --chunk-bytes differ)")
+        if self.rank == 0:
+            if self._planner is None:
+                raise CommError("rank 0 needs a planner")
+            link = self._link or (probe_link(ep, (WORKER, 1)) if self.world > 1 else DEFAULT_LINK)
+            plan = self._planner(link)
+            if self._on_plan is not None:
+                self._on_plan(plan)
+            plan_pb = plan.to_pb()
+            ep.broadcast(others, header(pb.PLAN, plan=plan_pb))
+        else:
+            [m] = ep.wait_for([message_key(pb.PLAN, (WORKER, 0))], "the communication plan")
+            plan_pb = m.header.plan
+        self._install(plan_pb)
+        ps = self._schemes.get("ps")
+        layout = ps.layout if isinstance(ps, PS) else []
+        if self.rank == 0:
+            ep.broadcast(shards, header(pb.LAYOUT, layout=[c.to_pb() for c in layout]))
+        mine = hashlib.sha256(plan_pb.SerializeToString(deterministic=True)
+                              + layout_digest(layout)).digest()
+        ep.broadcast(others, header(pb.READY, layout_digest=mine))
+        ep.broadcast(shards, header(pb.READY, layout_digest=layout_digest(layout)))
+        for m in ep.wait_for([message_key(pb.READY, w) for w in others], "READY"):
+            if m.header.layout_digest != mine:
+                self._fail(f"{ep.name_of(m.sender)} installed a different plan")
+        ep.wait_for([message_key(pb.READY, s) for s in shards], "shard READY")
+
+    def _install(self, plan: pb.Plan) -> None:
+        """Units, codec and schemes from ``plan`` (rank 0's): it must fit this worker's net."""
+        def unfit(why: str) -> None:
+            self._fail(f"the plan of worker 0 does not fit {self.ep.name}'s net: {why}")
+
+        try:
+            codec = make_codec(plan.codec or "fp32", plan)
+        except ValueError as e:
+            unfit(str(e))
+        units, seen = [], set()
+        for up in plan.units:
+            scheme = SCHEMES.get(up.scheme)
+            if scheme is None or not up.layers:
+                unfit(f"unknown scheme {up.scheme!r} or an empty unit")
+            missing = [l for l in up.layers if l not in self.layers or l in seen]
+            if missing:
+                unfit(f"layer {missing[0]} is not a synchronised layer, or twice in the plan")
+            slots = [self.layers[l] for l in up.layers]
+            if not all(scheme.applies(s) for s in slots) or (len(slots) > 1 and not scheme.dense):
+                unfit(f"{up.scheme} cannot synchronise {'+'.join(s.name for s in slots)}")
+            seen.update(up.layers)
+            units.append(Unit(slots, up.scheme))
+        if seen != set(self.layers):
+            unfit(f"layers {sorted(set(self.layers) - seen)} have no unit")
+        self.codec = codec
+        self.plan = plan
+        self.units = {u.id: u for u in units}
+        self._rounds_done = {u.id: 0 for u in units}
+        for u in units:
+            for s in u.layers:
+                self._unit_of[s.layer] = u
+            self.stats.layer_names[u.id] = u.name
+        schemes = {}
+        for name in sorted({u.scheme for u in units}):
+            schemes[name] = SCHEMES[name](self, [u for u in units if u.scheme == name],
+                                          self.chunk_bytes)
+        self._schemes = schemes  # from here on, DATA messages can be checked
+
+    def _fail(self, reason: str) -> None:
+        self.ep.fatal(reason)
+        raise CommError(self.ep.error)
+
     # ------------------------------------------------------------------ the solver's side
     def release(self, layer: int) -> None:
         """Hand layer ``layer``'s fresh gradients to the communication threads; returns at once."""
-        slot = self.layers.get(layer)
-        if slot is None:
+        unit = self._unit_of.get(layer)
+        if unit is None:
             return
         self._raise_if_failed()
         t = now()
-        factors = None
-        if self.schemes[layer] == "sfb":
-            # copies: the next forward may overwrite the layer's input before they are sent
-            factors = [np.array(backend.to_numpy(a), copy=True) for a in slot.factors()]  # type: ignore[misc]
         with self._cond:
             rnd = self._released[layer]
             self._released[layer] += 1
             request = self._request_out
             if layer == self._last_layer:  # sent with (at least) this round's last layer
                 self._request_out &= ~request  # not = 0: a signal may have come meanwhile
-        self._send_q.put((layer, rnd, t, factors, request))
+            pend = self._pending.setdefault((unit.id, rnd), [0, 0, t])
+            pend[0] += 1
+            pend[1] |= request
+            complete = pend[0] == len(unit.layers)
+            if complete:
+                del self._pending[(unit.id, rnd)]
+        if complete:
+            captured = self._schemes[unit.scheme].capture(unit)
+            self._events.put(("start", unit, rnd, pend[1], captured, pend[2]))
 
     def wait(self, layer: int) -> None:
         """Block until every released round of ``layer`` is applied (call before its forward)."""
@@ -192,7 +272,7 @@ class Syncer:
         self._raise_if_failed()
         waited = now() - t
         if waited > 0:
-            self.stats.add_wait(layer, waited)
+            self.stats.add_wait(self._unit_of[layer].id, waited)
         if tl.active:
             tl.complete(self.layers[layer].name, "wait", start)
 
@@ -218,9 +298,9 @@ class Syncer:
             for rnd in range(self._requests_taken, complete):
                 bits |= self._round_requests.pop(rnd, 0)
             self._requests_taken = max(self._requests_taken, complete)
-        if bits & REQUEST_BITS["stop"]:
+        if bits & STOP_BIT:
             return "stop"
-        return "snapshot" if bits & REQUEST_BITS["snapshot"] else None
+        return "snapshot" if bits & SNAPSHOT_BIT else None
 
     def close(self) -> None:
         """Finish outstanding rounds, check the replicas agree, say BYE, release the sockets."""
@@ -232,9 +312,11 @@ class Syncer:
             self._shutdown()
 
     def _shutdown(self) -> None:
-        self._send_q.put(None)
+        self._send_q.put((math.inf, next(self._seq), None))
+        self._events.put(None)
         for t in self._threads:
             t.join(timeout=5)
+        self.stats.extra.update(self.codec.report())
         self.ep.close(say_bye=self.ep.error is None)
 
     def check_replicas(self) -> None:
@@ -248,11 +330,45 @@ class Syncer:
         self.ep.broadcast(others, header(pb.CHECK, layout_digest=mine))
         for m in self.ep.wait_for([message_key(pb.CHECK, w) for w in others], "the final check"):
             if m.header.layout_digest != mine:
-                self.ep.fatal(f"replicas diverged: the parameters of {self.ep.name_of(m.sender)} "
-                              f"differ from those of {self.ep.name}")
-                raise CommError(self.ep.error)
+                self._fail(f"replicas diverged: the parameters of {self.ep.name_of(m.sender)} "
+                           f"differ from those of {self.ep.name}")
         self.stats.extra["replicas_identical"] = True
         self.stats.extra["params_sha256"] = mine.hex()
+
+    # ------------------------------------------------------------------ the schemes' host
+    def send(self, unit: Unit, peers: Sequence[PeerId], hdr: pb.Header,
+             arrays: Sequence[np.ndarray] = ()) -> None:
+        """Queue a message for the sender thread, lowest unit first (FIFO within a unit)."""
+        self._send_q.put((unit.priority if self.priority else 0, next(self._seq),
+                          (unit, list(peers), hdr, list(arrays))))
+
+    def done(self, unit: Unit, rnd: int, bits: int) -> None:
+        """``unit``'s mean gradient of round ``rnd`` is in its diffs: apply (progress thread)."""
+        _, released = self._outstanding.pop((unit.id, rnd), (0.0, now()))
+        apply = self.codec.after_round(unit.id, bits) if SCHEMES[unit.scheme].dense else True
+        tl = timeline.current
+        start = tl.now()
+        if apply:
+            for slot in unit.layers:
+                self.update_layer(slot.layer)
+        else:  # a wire overflow: every worker skips this update (the bits are the same)
+            for p in unit.params:
+                p.blob.diff[...] = 0
+            log.warning("%s: %s round %d: the fp16 sum overflowed; update skipped, scale now "
+                        "%g", self.ep.name, unit.name, rnd, getattr(self.codec, "scale")(unit.id))
+        if tl.active:
+            tl.complete(f"update {unit.name}", "update", start, {"round": rnd})
+        with self._cond:
+            request = bits & (SNAPSHOT_BIT | STOP_BIT)
+            if request:
+                self._round_requests[rnd] = self._round_requests.get(rnd, 0) | request
+            for slot in unit.layers:
+                self._applied[slot.layer] += 1
+            self._rounds_done[unit.id] += 1
+            self._cond.notify_all()
+        self.stats.add_round(unit.id, rnd, released, now())
+        if self._last_layer in (s.layer for s in unit.layers) and self.on_round_done is not None:
+            self.on_round_done(rnd)
 
     # ------------------------------------------------------------------- internals
     def _raise_if_failed(self) -> None:
@@ -273,145 +389,63 @@ class Syncer:
         except Exception as e:
             self.ep.fatal(f"{self.ep.name}: communication thread failed: {type(e).__name__}: {e}")
         finally:
-            self._reduce_q.put(None)
+            self._events.put(None)
+            self._send_q.put((math.inf, next(self._seq), None))
             self._wake("")
 
     def _check(self, msg: Message) -> str | None:
+        """On the receive thread, before a byte is used: a known unit of the sending scheme,
+        in this round or the next, as the scheme's tables say."""
         h = msg.header
-        if h.kind == pb.SUM:
-            c = self._chunk_by_id.get((h.param, h.chunk))
-            if c is None:
-                return f"unknown param {h.param} chunk {h.chunk}"
-            if msg.sender != (SHARD, c.shard) or h.layer != c.layer:
-                return f"param {h.param} chunk {h.chunk} does not come from {msg.sender} / layer {h.layer}"
-            want = [((c.count,), c.dtype)]
-        elif h.kind == pb.FACTORS:
-            if h.layer not in self._factor_shapes or msg.sender[0] != WORKER:
-                return f"layer {h.layer} is not synchronised by SFB"
-            us, vs, dt = self._factor_shapes[h.layer]
-            want = [(us, dt), (vs, dt)]
-        else:
-            return f"a worker does not take kind {pb.Kind.Name(h.kind)}"
-        applied = self._applied.get(h.layer)
-        if applied is None or h.round not in (applied, applied + 1):
-            return f"layer {h.layer}: round {h.round}, expected {applied}"
-        got = [(a.shape, a.dtype.str) for a in msg.arrays]
-        if got != want:
-            return f"layer {h.layer}: arrays {got}, expected {want}"
-        return None
+        scheme = self._schemes.get(h.scheme)
+        unit = self.units.get(h.layer)
+        if scheme is None or unit is None or unit.scheme != h.scheme:
+            return f"unit {h.layer} is not synchronised by {h.scheme!r} here"
+        done = self._rounds_done[unit.id]
+        return scheme.check(msg, (done, done + 1))
 
     def _send_loop(self) -> None:
         ep = self.ep
         while True:
-            job = self._send_q.get()
+            _, _, job = self._send_q.get()
             if job is None or ep.error is not None:
                 return
-            layer, rnd, _, factors, request = job
+            unit, peers, hdr, arrays = job
             tl = timeline.current
             start = tl.now()
-            if factors is not None:
-                peers = [(WORKER, r) for r in range(self.world) if r != self.rank]
-                ep.broadcast(peers, header(pb.FACTORS, round=rnd, layer=layer, request=request),
-                             factors)
-            else:
-                for p in self.layers[layer].params:
-                    flat = backend.to_numpy(p.blob.diff).reshape(-1)
-                    for c in self._chunks[p.index]:
-                        ep.send((SHARD, c.shard), header(pb.PUSH, round=rnd, layer=layer,
-                                                         param=p.index, chunk=c.chunk,
-                                                         request=request),
-                                [flat[c.offset:c.offset + c.count]])
+            ep.broadcast(peers, hdr, arrays)
             if tl.active:
-                slot = self.layers[layer]
-                nbytes = (sum(f.nbytes for f in factors) * (self.world - 1) if factors is not None
-                          else sum(p.blob.diff.nbytes for p in slot.params))
-                tl.complete(f"send {slot.name}", "send", start,
-                            {"round": rnd, "scheme": self.schemes[layer], "bytes": nbytes})
-            self._reduce_q.put(job)
+                tl.complete(f"send {unit.name}", "send", start,
+                            {"round": hdr.round, "scheme": hdr.scheme, "op": hdr.op,
+                             "bytes": sum(a.nbytes for a in arrays) * len(peers)})
 
-    def _reduce_loop(self) -> None:
+    def _progress_loop(self) -> None:
         while True:
-            job = self._reduce_q.get()
-            if job is None or self.ep.error is not None:
+            try:
+                ev = self._events.get(timeout=0.5)
+            except queue.Empty:
+                self._watchdog()
+                continue
+            if ev is None or self.ep.error is not None:
                 return
-            layer, rnd, released, factors, request = job
-            slot = self.layers[layer]
-            if factors is not None:
-                request |= self._reduce_sfb(slot, rnd, factors)
+            if isinstance(ev, Message):
+                self._schemes[ev.header.scheme].receive(ev)
             else:
-                request = self._reduce_ps(slot, rnd)
-            tl = timeline.current
-            start = tl.now()
-            self.update_layer(layer)
-            if tl.active:
-                tl.complete(f"update {slot.name}", "update", start, {"round": rnd})
-            with self._cond:
-                if request:
-                    self._round_requests[rnd] = self._round_requests.get(rnd, 0) | request
-                self._applied[layer] += 1
-                self._cond.notify_all()
-            self.stats.add_round(layer, rnd, released, now())
-            if layer == self._last_layer and self.on_round_done is not None:
-                self.on_round_done(rnd)
+                _, unit, rnd, bits, captured, released = ev
+                self._outstanding[(unit.id, rnd)] = (now(), released)
+                self._schemes[unit.scheme].start(unit, rnd, bits, captured)
+            self._watchdog()
 
-    def _reduce_ps(self, slot: LayerSlot, rnd: int) -> int:
-        """Write the mean gradient from the shards' sums; returns their signal bits."""
-        keys = [message_key(pb.SUM, (SHARD, c.shard), rnd, slot.layer, p.index, c.chunk)
-                for p in slot.params for c in self._chunks[p.index]]
-        tl = timeline.current
-        start = tl.now()
-        sums = self.ep.wait_for(keys, f"the sums of layer {slot.name} round {rnd}")
-        if tl.active:
-            tl.complete(f"receive {slot.name}", "receive", start, {"round": rnd})
-        msgs = iter(sums)
-        for p in slot.params:
-            total = np.empty(p.blob.diff.size, dtype=p.blob.diff.dtype)
-            for c in self._chunks[p.index]:
-                total[c.offset:c.offset + c.count] = next(msgs).arrays[0]
-            total /= self.world
-            _write(p.blob, total)
-        return _request_bits(sums)
-
-    def _reduce_sfb(self, slot: LayerSlot, rnd: int, own: list[np.ndarray]) -> int:
-        """Rebuild the mean gradient from every worker's factors; returns the peers' bits."""
-        others = [r for r in range(self.world) if r != self.rank]
-        keys = [message_key(pb.FACTORS, (WORKER, r), rnd, slot.layer) for r in others]
-        tl = timeline.current
-        start = tl.now()
-        msgs = self.ep.wait_for(keys, f"the sufficient factors of layer {slot.name} round {rnd}")
-        if tl.active:
-            tl.complete(f"receive {slot.name}", "receive", start, {"round": rnd})
-            start = tl.now()
-        got = {r: m.arrays for r, m in zip(others, msgs)}
-        got[self.rank] = own
-        # Rank order: every replica forms the very same matrices, so results are bit-identical.
-        u = np.concatenate([got[r][0] for r in range(self.world)])
-        v = np.concatenate([got[r][1] for r in range(self.world)])
-        for p in slot.params:
-            if p.role == "weight":
-                g = u.T @ v
-            elif p.role == "weight_t":
-                g = v.T @ u
-            elif p.role == "bias":
-                g = u.sum(axis=0)
-            else:
-                raise CommError(f"layer {slot.name}: parameter {p.name} cannot be rebuilt from "
-                                "sufficient factors")
-            g /= self.world
-            _write(p.blob, g)
-        if tl.active:
-            tl.complete(f"rebuild {slot.name}", "rebuild", start, {"round": rnd})
-        return _request_bits(msgs)
-
-
-def _request_bits(msgs: Sequence[Message]) -> int:
-    bits = 0
-    for m in msgs:
-        bits |= m.header.request
-    return bits
-
-
-def _write(blob: Any, grad: np.ndarray) -> None:
-    """Overwrite a parameter's diff with the mean gradient (numpy or cupy)."""
-    xp = backend.get_array_module(blob.diff)
-    blob.diff[...] = xp.asarray(grad.reshape(blob.diff.shape), dtype=blob.diff.dtype)
+    def _watchdog(self) -> None:
+        """A unit whose round has waited longer than the timeout stops the job, naming who
+        did not send (or the peer that went silent upstream)."""
+        t = now()
+        if t - self._watched < 0.5:
+            return
+        self._watched = t
+        for (uid, rnd), (started, _) in list(self._outstanding.items()):
+            if t - started > self.ep.timeout:
+                unit = self.units[uid]
+                self.ep.timed_out(f"the {unit.scheme} messages of {unit.name} round {rnd}",
+                                  self._schemes[unit.scheme].missing(unit, rnd))
+                return

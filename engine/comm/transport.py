@@ -51,7 +51,10 @@ HEADER_BYTES_PER_CHUNK = 64
 HEADER_BYTES = 1 << 16
 _ROLE = {pb.WORKER: WORKER, pb.SHARD: SHARD}
 _ROLE_PB = {WORKER: pb.WORKER, SHARD: pb.SHARD}
-_SCHEME = {pb.PUSH: "ps", pb.SUM: "ps", pb.FACTORS: "sfb"}
+_CONTROL = (pb.HELLO, pb.LAYOUT, pb.READY, pb.HEARTBEAT, pb.PLAN, pb.PROBE, pb.BYE, pb.ABORT,
+            pb.CHECK)
+#: PROBE's op: a request the receiver echoes at once, and the echo
+PROBE_ASK, PROBE_ECHO = 0, 1
 
 
 @dataclass
@@ -85,6 +88,14 @@ def header(kind: int, **fields: object) -> pb.Header:
     return pb.Header(kind=kind, **fields)
 
 
+def byte_tag(hdr: pb.Header) -> str | None:
+    """The tag a DATA message's bytes are counted under: the scheme that set it, and
+    '<scheme>/index' for a codec's index vectors. None: not counted (control traffic)."""
+    if hdr.kind != pb.DATA:
+        return None
+    return hdr.scheme if hdr.phase == 0 else f"{hdr.scheme}/index"
+
+
 class Endpoint:
     """One process's view of the network: its bound socket, its peers, liveness and mailbox.
 
@@ -107,6 +118,7 @@ class Endpoint:
         self.stats = stats or CommStats()
         self.exit_grace = exit_grace
         self.snapshot_hint = snapshot_hint
+        self.max_frame_bytes = max_frame_bytes
         self.checker: Callable[[Message], str | None] | None = None
         self.handler: Callable[[Message], None] | None = None
         self.on_fatal: list[Callable[[str], None]] = []
@@ -181,7 +193,7 @@ class Endpoint:
             frames.append(memoryview(a).cast("B") if a.size else b"")
         frames.insert(0, hdr.SerializeToString())
         nbytes = sum(a.nbytes for a in arrays)
-        scheme = _SCHEME.get(hdr.kind)
+        tag = byte_tag(hdr)
         sent = []
         with self._send_lock:
             socks = [(p, self._push.get(p)) for p in peers]
@@ -193,9 +205,9 @@ class Endpoint:
             for p, sock in socks:
                 sock.send_multipart(frames, copy=False)
                 sent.append(p)
-        if scheme is not None:
+        if tag is not None:
             for p in sent:
-                self.stats.add_bytes(hdr.layer, scheme, True, nbytes, self._network(p))
+                self.stats.add_bytes(hdr.layer, tag, True, nbytes, self._network(p))
 
     def _network(self, peer: PeerId) -> bool:
         """True when traffic to ``peer`` leaves this node (worker r and shard r are one node)."""
@@ -253,8 +265,7 @@ class Endpoint:
             hdr = pb.Header.FromString(frames[0].bytes)
         except Exception:
             return None, "header is not a poseidon.Header"
-        if hdr.kind not in _SCHEME and hdr.kind not in (pb.HELLO, pb.LAYOUT, pb.READY, pb.HEARTBEAT,
-                                                        pb.BYE, pb.ABORT, pb.CHECK):
+        if hdr.kind != pb.DATA and hdr.kind not in _CONTROL:
             return None, f"unknown kind {hdr.kind}"
         if hdr.sender_role not in _ROLE:
             return None, f"unknown sender role {hdr.sender_role}"
@@ -283,7 +294,7 @@ class Endpoint:
                 return None, f"frame of {len(buf)} bytes for {meta.dtype}{shape}"
             arrays.append(np.frombuffer(buf, dtype=dt, count=n).reshape(shape))
         msg = Message(hdr, arrays)
-        if hdr.kind in _SCHEME:
+        if hdr.kind == pb.DATA:
             if self.checker is None:
                 return None, f"{pb.Kind.Name(hdr.kind)} before this process can check it"
             reason = self.checker(msg)
@@ -306,11 +317,14 @@ class Endpoint:
         if kind == pb.ABORT:
             self.fatal(msg.header.reason or f"{self.name_of(sender)} aborted", propagate=False)
             return
-        scheme = _SCHEME.get(kind)
-        if scheme is not None:
-            self.stats.add_bytes(msg.header.layer, scheme, False,
+        if kind == pb.PROBE and msg.header.op == PROBE_ASK:  # answered here: no thread's turn
+            self.send(sender, header(pb.PROBE, op=PROBE_ECHO, round=msg.header.round), msg.arrays)
+            return
+        tag = byte_tag(msg.header)
+        if tag is not None:
+            self.stats.add_bytes(msg.header.layer, tag, False,
                                  sum(a.nbytes for a in msg.arrays), self._network(sender))
-        if self.handler is not None and kind in _SCHEME:
+        if self.handler is not None and kind == pb.DATA:
             self.handler(msg)
             return
         with self._cond:
@@ -338,13 +352,19 @@ class Endpoint:
                 if left <= 0:
                     break
                 self._cond.wait(min(left, 0.5))
+        self.timed_out(what, [(k[1], k[2]) for k in missing])
+        raise CommError(self.error)
+
+    def timed_out(self, what: str, peers: Sequence[PeerId]) -> None:
+        """Waiting for ``what`` from ``peers`` took longer than the timeout: fatal, naming the
+        real cause (a silent peer upstream, if any, rather than the one waited on)."""
         silent = self._silent(3 * self._hb_interval)
-        if silent:  # a dead peer upstream is the real cause, not the one we wait on
+        if silent:
             self.fatal(self._lost(silent[0]))
         else:
-            who = ", ".join(sorted({self.name_of((k[1], k[2])) for k in missing}))
-            self.fatal(f"{self.name}: timed out after {self.timeout:g} s waiting for {what} from {who}")
-        raise CommError(self.error)
+            who = ", ".join(sorted({self.name_of(p) for p in peers})) or "this worker"
+            self.fatal(f"{self.name}: timed out after {self.timeout:g} s waiting for {what} "
+                       f"from {who}")
 
     # ---------------------------------------------------------------------------- liveness
     @property

@@ -9,6 +9,7 @@ weight gradient (see ``InnerProductLayer.sufficient_factors``).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .. import backend
@@ -54,6 +55,17 @@ def _canonical(layer: Layer, blob: Blob, axis: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FactorSpec:
+    """An InnerProduct's weight gradient as sufficient factors: u (k x n, the top diff) and v
+    (k x m, the bottom data); the gradient is uᵀ·v, or vᵀ·u when ``transposed`` (the weight is
+    m x n)."""
+    k: int
+    m: int
+    n: int
+    transposed: bool
+
+
 @register("InnerProduct", "INNER_PRODUCT")
 class InnerProductLayer(Layer):
     """Fully connected: ``top = bottom · Wᵀ + b`` with the bottom flattened at ``axis`` to
@@ -85,6 +97,9 @@ class InnerProductLayer(Layer):
             fill(p.bias_filler, self.blobs[1])
         self.param_propagate_down = [True] * len(self.blobs)
         self._factors: tuple[Any, Any] | None = None
+        #: set by a communicator that rebuilds the weight gradient from the sufficient factors
+        #: (SFB): backward then skips its weight-gradient GEMM, the largest product in it
+        self.defer_weight_gradient = False
 
     def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
         inputs = bottom[0].count_range(self.axis)
@@ -111,7 +126,9 @@ class InnerProductLayer(Layer):
         x = bottom[0].data.reshape(self.rows, self.inputs)
         w = self.blobs[0]
         self._factors = None
-        if self.param_propagate_down[0]:
+        if self.param_propagate_down[0] and self.defer_weight_gradient:
+            self.remember_factors(top, bottom)
+        elif self.param_propagate_down[0]:
             # dW = dyᵀ·x (or its transpose); one GEMM into a kept buffer, then accumulated as
             # Caffe does: a fresh weight-sized temporary per call costs page faults (AlexNet fc6
             # is 151 MB).
@@ -134,6 +151,10 @@ class InnerProductLayer(Layer):
         replayed compute (engine/perf/replay.py), which computes no gradient."""
         self._factors = (top[0].diff.reshape(self.rows, self.num_output),
                          bottom[0].data.reshape(self.rows, self.inputs))
+
+    def factor_spec(self) -> FactorSpec:
+        """The shapes and orientation of the sufficient factors (after reshape)."""
+        return FactorSpec(self.rows, self.inputs, self.num_output, bool(self.transpose))
 
     def sufficient_factors(self) -> tuple[Any, Any]:
         """The two factors of the weight gradient the last ``backward`` added.

@@ -79,7 +79,7 @@ def _zmq_server(base: int, key: bytes | None, ready: Any) -> None:
 
     def on_push(msg: Any) -> None:
         if msg.header.chunk == 1:
-            ep.send(WORKER, header(pb.SUM, round=msg.header.round))
+            ep.send(WORKER, header(pb.DATA, scheme="ps", op=1, round=msg.header.round))
     ep.handler = on_push
     ready.set()
     while not ep.all_gone("worker") and ep.error is None:
@@ -101,9 +101,9 @@ class _ZmqClient:
         self.round += 1
         t = time.perf_counter()
         for k in range(count):
-            self.ep.send(SHARD, header(pb.PUSH, round=self.round, chunk=int(k == count - 1)),
-                         [payload])
-        self.ep.wait_for([message_key(pb.SUM, SHARD, self.round)], "the benchmark's answer")
+            self.ep.send(SHARD, header(pb.DATA, scheme="ps", round=self.round,
+                                       chunk=int(k == count - 1)), [payload])
+        self.ep.wait_for([message_key(pb.DATA, SHARD, self.round)], "the benchmark's answer")
         return time.perf_counter() - t
 
     def close(self) -> None:

@@ -1,7 +1,7 @@
 """The DAG model of synchronous SGD (Shi et al., arXiv:1805.03812), as Poseidon runs it.
 
 An event simulation of one worker's iterations, with the resources the real communicator has
-(engine/comm/syncer.py, ps.py):
+(engine/comm/syncer.py, schemes/):
 
 - the training thread runs forward layer by layer; before a layer with parameters it waits for
   that layer's update of the previous iteration (the per-layer wait), then backward top-down;
@@ -16,8 +16,10 @@ An event simulation of one worker's iterations, with the resources the real comm
     A sum can only leave once the last push of its chunk arrived and the shard added the P
     pushes, so one chunk's push and addition are not overlapped;
   * SFB: a node sends its factors u (K x N) and v (K x M) to P-1 peers and receives theirs;
-- one reducer thread, also in release order, rebuilds SFB gradients (one GEMM of P·K·M·N
-  multiply-adds), writes the mean gradient and runs the solver update of the layer; then that
+  * ring: 2(P-1) steps of 1/P of the layer each way, pipelined in sub-chunks;
+  each scheme's ``timing`` (engine/comm/schemes) prices a layer, as the planner does;
+- one progress thread rebuilds SFB gradients (one GEMM of P·K·M·N multiply-adds), adds ring
+  segments, writes the mean gradient and runs the solver update of the layer; then that
   layer's next forward may start.
 
 One worker (P = 1) runs Caffe's plain loop: forward, backward, then every update. The
@@ -30,50 +32,22 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-from engine.comm.planner import LayerInfo, plan_layers
-from engine.comm.ps import DEFAULT_CHUNK_BYTES, PSParam, make_layout
+import numpy as np
+
+from engine.comm.planner import COMM_MODES, LayerInfo, plan_layers
+from engine.comm.schemes import SCHEMES as SCHEME_CLASSES
+from engine.comm.schemes.base import Device, LayerTiming
+from engine.comm.schemes.ps import DEFAULT_CHUNK_BYTES, PSParam, make_layout
 
 from .link import Link
 from .netinfo import NetInfo
 from .trace import Trace
 
-SCHEMES = ("ps", "sfb", "hybrid")
+#: what --scheme takes: the planner's modes (auto, hybrid) and every single scheme
+SCHEMES = COMM_MODES
 ITERATIONS = 6  # simulated; the last period is the steady state
 
-
-@dataclass(frozen=True)
-class Device:
-    """Costs outside the trace: what the machine running a worker and its shard spends on
-    the solver update, on SFB's reconstruction and on the shard's sums."""
-    name: str = "default: a GPU worker (update 300 GB/s, GEMM 5 TFLOP/s), CPU shard (8 GB/s)"
-    #: the solver update streams about ``update_passes`` x 4 bytes per parameter
-    update_bytes_per_s: float = 300e9
-    update_passes: float = 5.0
-    #: SFB's reconstruction u^T v (2 flops per multiply-add)
-    gemm_flops_per_s: float = 5e12
-    #: a shard's adds of P pushes (a CPU process in Poseidon, also on GPU clusters)
-    add_bytes_per_s: float = 8e9
-    #: the update runs on the device that computes (a GPU's kernels queue behind backward's),
-    #: so it takes compute time; False when compute is replayed and the CPU does the update
-    update_on_device: bool = True
-
-
-@dataclass
-class LayerTiming:
-    name: str
-    scheme: str
-    bytes_sent: float  # by the busiest node, per iteration
-    bytes_received: float
-    up_s: float        # on the node's sending side of the link
-    down_s: float      # on its receiving side
-    #: how long after the sending starts the first bytes of the answer can come back (PS: one
-    #: chunk's push and addition; SFB: at once, every peer sends at the same time)
-    lag_s: float
-    #: how long after the sending ends the last answer can have come back (PS: the last chunk's
-    #: sum; SFB: nothing)
-    tail_s: float
-    reduce_s: float    # on the reducer: reconstruction, and the update when not on the device
-    update_s: float = 0.0  # the solver update of the layer
+__all__ = ["Device", "LayerTiming", "Prediction", "predict", "sweep", "SCHEMES"]
 
 
 @dataclass
@@ -96,58 +70,24 @@ class Prediction:
 
 def _chunk_bytes_by_layer(params: Sequence[LayerInfo], p: int, chunk_bytes: int
                           ) -> dict[int, list[tuple[int, int]]]:
-    """layer -> [(bytes, shard)] of its PS chunks, from the communicator's own layout."""
-    ps_params, k = [], 0
-    for info in params:
-        for shape in info.shapes:
-            count = 1
-            for d in shape:
-                count *= d
-            ps_params.append(PSParam(k, info.layer, count, "<f4" if info.itemsize == 4 else "<f8"))
-            k += 1
+    """layer -> [(bytes, shard)] of its PS chunks, from the communicator's own layout (one
+    vector per layer, as an unfused PS unit)."""
+    vectors = [PSParam(k, info.layer, info.params, f"<f{info.itemsize}")
+               for k, info in enumerate(params)]
     out: dict[int, list[tuple[int, int]]] = {}
-    itemsize = {pp.index: (4 if pp.dtype == "<f4" else 8) for pp in ps_params}
-    for c in make_layout(ps_params, p, chunk_bytes):
+    itemsize = {v.index: np.dtype(v.dtype).itemsize for v in vectors}
+    for c in make_layout(vectors, p, chunk_bytes):
         out.setdefault(c.layer, []).append((c.count * itemsize[c.param], c.shard))
     return out
 
 
 def _layer_costs(info: LayerInfo, scheme: str, p: int, link: Link, device: Device,
-                 chunks: list[tuple[int, int]]) -> LayerTiming:
-    """Link time and reducer time of one layer on the busiest node."""
-    params_bytes = info.params * info.itemsize
-    update = device.update_passes * params_bytes / device.update_bytes_per_s
-    on_reducer = 0.0 if device.update_on_device else update
-    if scheme == "sfb":
-        k, m, n = info.factors  # type: ignore[misc]
-        sent = recv = (p - 1) * k * (m + n) * info.itemsize
-        rebuild = 2.0 * p * k * m * n / device.gemm_flops_per_s
-        one_way = link.alpha_s + link.beta_s_per_byte * sent
-        return LayerTiming(info.name, scheme, sent, recv, one_way, one_way, 0.0, 0.0,
-                           rebuild + on_reducer, update)
-    sent = [0.0] * p
-    recv = [0.0] * p
-    adds = [0.0] * p
-    for nbytes, shard in chunks:
-        for node in range(p):
-            if node == shard:  # its shard takes P-1 remote pushes and sends P-1 sums
-                sent[node] += (p - 1) * nbytes
-                recv[node] += (p - 1) * nbytes
-                adds[node] += (p - 1) * nbytes
-            else:              # its worker pushes the chunk and gets the sum back
-                sent[node] += nbytes
-                recv[node] += nbytes
-    busiest = max(range(p), key=lambda n: (max(sent[n], recv[n]), adds[n]))
-    largest = max((b for b, _ in chunks), default=0)
-    # a chunk's sum leaves its shard once the P pushes are in and added: the answers trail the
-    # pushes by one chunk's transfer and addition, at the start and at the end
-    chunk = (link.alpha_s + link.beta_s_per_byte * largest
-             + (p - 1) * largest / device.add_bytes_per_s)
-    return LayerTiming(info.name, scheme, sent[busiest], recv[busiest],
-                       link.alpha_s + link.beta_s_per_byte * sent[busiest],
-                       link.alpha_s + link.beta_s_per_byte * recv[busiest], chunk,
-                       link.beta_s_per_byte * largest + (p - 1) * largest / device.add_bytes_per_s,
-                       on_reducer, update)
+                 chunks: list[tuple[int, int]], chunk_bytes: int) -> LayerTiming:
+    """Link time and progress-thread time of one layer on the busiest node."""
+    if scheme == "ps":  # the job's whole table decides which node is busiest
+        return SCHEME_CLASSES["ps"].timing(info, p, link, device, chunk_bytes, info.itemsize,
+                                           chunks=chunks)
+    return SCHEME_CLASSES[scheme].timing(info, p, link, device, chunk_bytes, info.itemsize)
 
 
 def _times(info: NetInfo, trace: Trace) -> tuple[list[float], list[float]]:
@@ -177,15 +117,16 @@ def predict(info: NetInfo, trace: Trace, workers: int, scheme: str, link: Link,
     compute = sum(fwd) + sum(bwd)
     batch = info.batch
     if workers == 1:
-        update = sum(device.update_passes * i.params * i.itemsize / device.update_bytes_per_s
-                     for i in info.params)
+        update = sum(device.update_s(i.params * i.itemsize) for i in info.params)
         it = compute + update
         return Prediction(scheme, 1, batch, it, compute, 0.0, batch / it if it else 0.0)
-    plans = plan_layers(info.params, workers, comm=scheme)
+    plans = plan_layers(info.params, workers, comm=scheme, link=link, device=device,
+                        chunk_bytes=chunk_bytes)
     chunks = _chunk_bytes_by_layer([pl.info for pl in plans if pl.scheme == "ps"], workers,
                                    chunk_bytes)
     costs = {pl.info.layer: _layer_costs(pl.info, pl.scheme, workers, link, device,
-                                         chunks.get(pl.info.layer, [])) for pl in plans}
+                                         chunks.get(pl.info.layer, []), chunk_bytes)
+             for pl in plans}
     ready = {layer: 0.0 for layer in costs}  # when each layer's update is applied
     starts = []
     t = 0.0

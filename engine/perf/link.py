@@ -107,3 +107,12 @@ def load_link(path: str | Path) -> Link:
     if not (alpha >= 0 and beta > 0):
         raise LinkError(f"{p}: alpha_s must be >= 0 and beta_s_per_byte > 0")
     return Link(alpha, beta, str(d.get("source", str(p))))
+
+
+def parse_link(text: str) -> Link:
+    """``--link``: a poseidon-link JSON file, or BANDWIDTH[@LATENCY] ('10gbit@50us', '1gbit')."""
+    if Path(text).is_file():
+        return load_link(text)
+    bandwidth, _, latency = str(text).partition("@")
+    return Link.from_bandwidth(parse_bandwidth(bandwidth), parse_duration(latency or "0"),
+                               f"given: {text}")

@@ -169,6 +169,11 @@ def net_info(model: str | Path | caffe_pb2.NetParameter, batch: int | None = Non
     except (NetError, LayerError) as e:
         raise NetInfoError(str(e)) from None
     _, infos = describe_net(net)
+    return facts_of(net, infos, b)
+
+
+def facts_of(net: Any, infos: list[LayerInfo], batch: int | None = None) -> NetInfo:
+    """The facts of a built engine Net (``infos``: its describe_net LayerInfos)."""
     layers = []
     for i, (name, layer) in enumerate(zip(net.layer_names, net.layers)):
         tops, bottoms = net.top_vecs[i], net.bottom_vecs[i]
@@ -176,7 +181,10 @@ def net_info(model: str | Path | caffe_pb2.NetParameter, batch: int | None = Non
                                  sum(t.count * t.data.itemsize for t in tops),
                                  sum(x.count * x.data.itemsize for x in bottoms),
                                  _macs(layer, bottoms, tops)))
-    return NetInfo(net.name, b, layers, infos)
+    if batch is None:
+        first = next(iter(net.blobs.values()), None)
+        batch = int(first.shape[0]) if first is not None and first.shape else 1
+    return NetInfo(net.name, batch, layers, infos)
 
 
 def _macs(layer: Any, bottom: Sequence[Any], top: Sequence[Any]) -> int:

@@ -11,10 +11,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.comm.codecs import CODECS
 from engine.comm.errors import CommError
-from engine.comm.ps import DEFAULT_CHUNK_BYTES
+from engine.comm.planner import COMM_MODES
+from engine.comm.schemes.ps import DEFAULT_CHUNK_BYTES
 
-SCHEMES = ("ps", "sfb", "hybrid")
 SIGNAL_ACTIONS = ("stop", "snapshot", "none")
 
 
@@ -22,9 +23,18 @@ SIGNAL_ACTIONS = ("stop", "snapshot", "none")
 class JobConfig:
     solver: str
     hosts: str
-    comm: str = "hybrid"
+    comm: str = "auto"
     timeout: float = 30.0
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    #: the gradients' encoding on the wire (engine/comm/codecs.py)
+    wire: str = "fp32"
+    #: fusion buckets: at most this many MB, nor a first layer waiting longer than fusion_ms
+    fusion_mb: float = 0.0
+    fusion_ms: float = 5.0
+    #: the link to plan for ("10gbit@50us" or a poseidon-link file); None: probe at start-up
+    link: str | None = None
+    #: send the lowest waiting layer first (the next forward needs it first)
+    priority: bool = True
     weights: tuple[str, ...] = ()
     snapshot: str | None = None
     #: the GPUs each machine's workers take round robin (None: the CPU)
@@ -41,8 +51,13 @@ class JobConfig:
     key_file: str | None = None
 
     def __post_init__(self) -> None:
-        if self.comm not in SCHEMES:
-            raise CommError(f"--comm must be one of {', '.join(SCHEMES)}, got {self.comm!r}")
+        if self.comm not in COMM_MODES:
+            raise CommError(f"--comm must be one of {', '.join(COMM_MODES)}, got {self.comm!r}")
+        if self.wire not in CODECS:
+            raise CommError(f"--wire must be one of {', '.join(CODECS)}, got {self.wire!r}")
+        if not (self.fusion_mb >= 0 and self.fusion_ms >= 0):
+            raise CommError(f"--fusion-mb and --fusion-ms must be >= 0, got {self.fusion_mb:g} "
+                            f"and {self.fusion_ms:g}")
         if not self.timeout > 0:
             raise CommError(f"--timeout must be positive, got {self.timeout:g}")
         if self.chunk_bytes < 1:
@@ -78,14 +93,21 @@ class JobConfig:
         return cls(**d)
 
 
-_STR = ("solver", "hosts", "comm")
-_OPT_STR = ("snapshot", "stats", "replay", "timeline", "log_dir", "key_file")
+_STR = ("solver", "hosts", "comm", "wire")
+_OPT_STR = ("snapshot", "stats", "replay", "timeline", "log_dir", "key_file", "link")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check(name: str, value: Any) -> None:
     ok = {
-        "timeout": isinstance(value, (int, float)) and not isinstance(value, bool),
-        "time_scale": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "timeout": _number(value),
+        "time_scale": _number(value),
+        "fusion_mb": _number(value),
+        "fusion_ms": _number(value),
+        "priority": isinstance(value, bool),
         "chunk_bytes": isinstance(value, int) and not isinstance(value, bool),
         "weights": isinstance(value, list) and all(isinstance(v, str) for v in value),
         "gpus": value is None or (isinstance(value, list) and all(

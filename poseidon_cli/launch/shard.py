@@ -34,7 +34,7 @@ def shard_env(key: bytes) -> dict[str, str]:
 def run_shard(index: int, hosts: str, timeout: float, max_frame_bytes: int | None = None,
               timeline: str | None = None) -> int:
     from engine.comm.hosts import parse_hosts
-    from engine.comm.ps import ShardServer
+    from engine.comm.shard import ShardServer
 
     entries = parse_hosts(hosts)
     key = job_key(None)

@@ -12,6 +12,7 @@ import argparse
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 # first: importing the CLI's main sets one BLAS thread before NumPy loads (a worker started
 # over ssh does not inherit the launcher's environment)
@@ -35,13 +36,13 @@ NO_KEY = ("no job key: every process of a job authenticates its messages with on
 def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int | None) -> None:
     """Train as worker ``rank`` of ``entries`` on ``gpu`` (None: the CPU)."""
     from engine import backend, glog
-    from engine.comm.bind import describe_net, ps_params
-    from engine.comm.planner import plan_layers, plan_table
-    from engine.comm.ps import make_layout
-    from engine.comm.stats import CommStats
     from engine.comm.auth import job_key
+    from engine.comm.bind import describe_net
+    from engine.comm.planner import plan_table
+    from engine.comm.stats import CommStats
     from engine.comm.syncer import Syncer, frame_limit, open_worker
     from engine.context import RunContext
+    from engine.perf.link import LinkError, parse_link
     from engine.solver import Solver
 
     key = job_key(config.key_file)
@@ -67,27 +68,32 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
         solver.load_weights(w)
     slots, infos = describe_net(solver.net)
     try:
-        plans = plan_layers(infos, world, comm=config.comm,
-                            allow_sfb=solver.param.iter_size == 1)
-    except ValueError:
+        link = parse_link(config.link) if config.link is not None else None
+    except LinkError as e:
         solver.close()
-        raise
-    schemes = {p.info.layer: p.scheme for p in plans}
-    layout = make_layout(ps_params(slots, schemes), world, config.chunk_bytes)
-    if rank == 0:
-        glog.info(plan_table(plans, world))
-        total = solver.images_per_iter()  # the data layers stride over every rank's share
+        raise CommError(f"--link: {e}") from None
+    total = solver.images_per_iter()  # the data layers stride over every rank's share
+    stats = CommStats()
+    stats.extra.update(rank=rank, world_size=world, comm=config.comm, wire=config.wire)
+
+    def make_plan(probed: Any) -> Any:  # rank 0's: every worker follows the plan it sends
+        plan = plan_for(solver.net, infos, world, config, probed,
+                        allow_sfb=solver.param.iter_size == 1, on_gpu=gpu is not None)
+        glog.info(plan_table(plan, world))
         glog.info(f"The losses and outputs below are rank 0's, over its {total // world} of the "
                   f"{total} images of each iteration")
-    stats = CommStats()
-    stats.extra["plan"] = [{"layer": p.info.name, "shapes": p.info.shapes, "scheme": p.scheme,
-                            "bytes_per_node": p.bytes_per_node, "ps_bytes": p.ps_bytes,
-                            "sfb_bytes": p.sfb_bytes, "ring_bytes": p.ring_bytes} for p in plans]
-    stats.extra.update(rank=rank, world_size=world, comm=config.comm)
+        stats.extra["plan"] = [{"layer": p.info.name, "shapes": p.info.shapes, "scheme": p.scheme,
+                                "bytes_per_node": p.bytes_per_node, "predicted_s": p.predicted_s,
+                                "ps_bytes": p.ps_bytes, "sfb_bytes": p.sfb_bytes,
+                                "ring_bytes": p.ring_bytes} for p in plan.layers]
+        stats.extra["units"] = [{"layers": layers, "scheme": scheme} for layers, scheme in plan.units]
+        stats.extra["link"] = plan.link.as_dict()
+        return plan
+
     if config.timeline is not None:
         from engine.perf import timeline as tl
         tl.start(config.timeline, f"worker {rank}", f"worker{rank}")
-    max_frame = frame_limit(layout, slots)
+    max_frame = frame_limit(slots, world, config.chunk_bytes)
     shard = subprocess.Popen(shard_command(rank, config.hosts, config.timeout, max_frame,
                                            config.timeline),
                              stderr=subprocess.PIPE, env=shard_env(key))
@@ -114,7 +120,8 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
                 for line in stats.format_lines():
                     glog.info(line)
 
-        solver.attach_sync(Syncer(ep, slots, schemes, layout, solver.update_layer,
+        solver.attach_sync(Syncer(ep, slots, solver.update_layer, planner=make_plan, link=link,
+                                  chunk_bytes=config.chunk_bytes, priority=config.priority,
                                   on_round_done=report))
         with signal_requests(solver, config.signal_effects):
             try:
@@ -142,6 +149,26 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
             if rank == 0:  # the worker and shard of each entry on this machine
                 here = local_addresses()
                 tl.merge(config.timeline, expected=2 * sum(is_local(e, here) for e in entries))
+
+
+def plan_for(net: Any, infos: list[Any], world: int, config: JobConfig, link: Any,
+             allow_sfb: bool, on_gpu: bool) -> Any:
+    """Rank 0's plan for ``net`` on ``link``: this machine's probed speeds, and the backward
+    time of every layer estimated from its arithmetic (for --fusion-ms)."""
+    from engine.comm.planner import make_plan
+    from engine.comm.probe import probe_device
+    from engine.perf.flops import DeviceSpeed, trace_from_flops
+    from engine.perf.netinfo import facts_of
+
+    device = probe_device(on_gpu)
+    backward_s = None
+    if config.fusion_mb > 0:
+        speed = DeviceSpeed(device.name, device.gemm_flops_per_s, device.add_bytes_per_s / 3)
+        trace = trace_from_flops(facts_of(net, infos), speed)
+        backward_s = [t.backward_ms / 1e3 for t in trace.layers]
+    return make_plan(infos, world, config.comm, allow_sfb, link, device, config.chunk_bytes,
+                     config.wire, int(config.fusion_mb * (1 << 20)), config.fusion_ms / 1e3,
+                     backward_s)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,15 @@
+"""The synchronisation schemes, one module each, behind one interface (base.Scheme).
+
+A new scheme is one module here plus one line in ``SCHEMES``: the planner prices it with its
+``timing``, the syncer schedules its units, and the transport counts its bytes under its name.
+"""
+from __future__ import annotations
+
+from .base import Scheme
+from .ps import PS
+from .ring import Ring
+from .sfb import SFB
+
+SCHEMES: dict[str, type[Scheme]] = {s.name: s for s in (PS, SFB, Ring)}
+
+__all__ = ["SCHEMES", "Scheme"]

@@ -1,0 +1,214 @@
+"""Sharded parameter server (Bösen/PHub), the worker's side, and the chunk table.
+
+Each vector a PS unit sums per round is cut into chunks of at most ``chunk_bytes`` (and, when
+large enough, into at least one chunk per shard so that every shard carries a fair share);
+chunks go to the least-loaded shard, largest first, which balances bytes. Every worker computes
+the same table; rank 0 sends it to the shards and every worker sends its digest, so a worker
+that built a different plan is caught at start-up. A worker pushes each chunk of its local
+vector to the chunk's shard; the shard (engine/comm/shard.py) answers every worker with the
+sum, which the worker writes back in place.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from engine.pb import poseidon_pb2 as pb
+
+from ..transport import SHARD, Message, PeerId
+from .base import DenseScheme, Device, LayerTiming, Unit, arrays_are
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+#: below this a vector is not split further just to spread it over the shards
+MIN_SPLIT_BYTES = 64 << 10
+PUSH, SUM = 0, 1
+
+
+@dataclass(frozen=True)
+class Chunk:
+    param: int   # the vector's index in the table
+    chunk: int
+    offset: int
+    count: int
+    shard: int
+    dtype: str   # as on the wire
+    layer: int   # the unit's id
+    phase: int = 0
+
+    def to_pb(self) -> pb.ChunkSpec:
+        return pb.ChunkSpec(param=self.param, chunk=self.chunk, offset=self.offset,
+                            count=self.count, shard=self.shard, dtype=self.dtype,
+                            layer=self.layer, phase=self.phase)
+
+    @classmethod
+    def from_pb(cls, c: pb.ChunkSpec) -> "Chunk":
+        return cls(c.param, c.chunk, c.offset, c.count, c.shard, c.dtype, c.layer, c.phase)
+
+
+@dataclass(frozen=True)
+class PSParam:
+    """What the chunker needs to know of one vector."""
+    index: int
+    layer: int
+    count: int
+    dtype: str
+    phase: int = 0
+
+
+def make_layout(params: Sequence[PSParam], n_shards: int,
+                chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[Chunk]:
+    """The chunk table, ordered by (vector, chunk); identical on every worker."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"--chunk-bytes must be positive, got {chunk_bytes}")
+    pieces = []
+    for p in params:
+        itemsize = np.dtype(p.dtype).itemsize
+        nbytes = p.count * itemsize
+        n = max(math.ceil(nbytes / chunk_bytes),
+                min(n_shards, math.ceil(nbytes / MIN_SPLIT_BYTES)), 1)
+        n = min(n, max(p.count, 1))
+        base, extra = divmod(p.count, n)
+        offset = 0
+        for c in range(n):
+            count = base + (1 if c < extra else 0)
+            pieces.append((p, c, offset, count))
+            offset += count
+    load = [0] * n_shards
+    shard_of: dict[tuple[int, int], int] = {}
+    for p, c, _, count in sorted(pieces, key=lambda t: -t[3] * np.dtype(t[0].dtype).itemsize):
+        s = min(range(n_shards), key=lambda i: (load[i], i))
+        load[s] += count * np.dtype(p.dtype).itemsize
+        shard_of[(p.index, c)] = s
+    return [Chunk(p.index, c, off, count, shard_of[(p.index, c)], p.dtype, p.layer, p.phase)
+            for p, c, off, count in pieces]
+
+
+def layout_digest(layout: Sequence[Chunk]) -> bytes:
+    h = hashlib.sha256()
+    for c in layout:
+        h.update(f"{c.param},{c.chunk},{c.offset},{c.count},{c.shard},{c.dtype},{c.layer},"
+                 f"{c.phase};".encode())
+    return h.digest()
+
+
+def unit_vectors(units: Sequence[Unit], vectors: Any, dtype: str) -> list[PSParam]:
+    """The vectors PS units sum per round (``vectors(count) -> {phase: length}``, the codec's)."""
+    out = []
+    for u in sorted(units, key=lambda u: u.id):
+        for phase, count in sorted(vectors(u.count).items()):
+            out.append(PSParam(len(out), u.id, count, dtype, phase))
+    return out
+
+
+class _Op:
+    __slots__ = ("vec", "remaining", "bits", "on_done", "chunks", "seen")
+
+    def __init__(self, vec: np.ndarray, chunks: list[Chunk], bits: int, on_done: Any) -> None:
+        self.vec, self.chunks, self.bits, self.on_done = vec, chunks, bits, on_done
+        self.remaining = len(chunks)
+        self.seen: set[int] = set()
+
+
+class PS(DenseScheme):
+    """Push chunks to their shards, take every chunk's sum back."""
+
+    name = "ps"
+
+    def __init__(self, host: Any, units: Sequence[Unit], chunk_bytes: int) -> None:
+        super().__init__(host, units, chunk_bytes)
+        codec = host.codec
+        self.layout = make_layout(unit_vectors(units, codec.vectors, codec.wire_dtype.str),
+                                  host.world, chunk_bytes)
+        self._chunks: dict[tuple[int, int], list[Chunk]] = {}
+        self._by_id = {(c.param, c.chunk): c for c in self.layout}
+        for c in self.layout:
+            self._chunks.setdefault((c.layer, c.phase), []).append(c)
+        self._ops: dict[tuple[int, int, int], _Op] = {}
+
+    @classmethod
+    def timing(cls, info: Any, world: int, link: Any, device: Device, chunk_bytes: int,
+               wire_itemsize: int, chunks: list[tuple[int, int]] | None = None) -> LayerTiming:
+        """``chunks``: [(bytes, shard)] of the layer in the job's whole table; None: the layer's
+        own chunks spread over the shards by themselves."""
+        if chunks is None:
+            table = make_layout([PSParam(0, info.layer, info.params, f"<f{wire_itemsize}")],
+                                world, chunk_bytes)
+            chunks = [(c.count * wire_itemsize, c.shard) for c in table]
+        p = world
+        sent, recv, adds = [0.0] * p, [0.0] * p, [0.0] * p
+        for nbytes, shard in chunks:
+            for node in range(p):
+                if node == shard:  # its shard takes P-1 remote pushes and sends P-1 sums
+                    sent[node] += (p - 1) * nbytes
+                    recv[node] += (p - 1) * nbytes
+                    adds[node] += (p - 1) * nbytes
+                else:              # its worker pushes the chunk and gets the sum back
+                    sent[node] += nbytes
+                    recv[node] += nbytes
+        busiest = max(range(p), key=lambda n: (max(sent[n], recv[n]), adds[n]))
+        largest = max((b for b, _ in chunks), default=0)
+        update = device.update_s(info.params * info.itemsize)
+        # a chunk's sum leaves its shard once the P pushes are in and added: the answers trail
+        # the pushes by one chunk's transfer and addition, at the start and at the end
+        add = (p - 1) * largest / device.add_bytes_per_s
+        return LayerTiming(info.name, cls.name, sent[busiest], recv[busiest],
+                           link.alpha_s + link.beta_s_per_byte * sent[busiest],
+                           link.alpha_s + link.beta_s_per_byte * recv[busiest],
+                           link.alpha_s + link.beta_s_per_byte * largest + add,
+                           link.beta_s_per_byte * largest + add,
+                           0.0 if device.update_on_device else update, update)
+
+    def sum_vector(self, unit: Unit, rnd: int, phase: int, vec: np.ndarray, bits: int,
+                   on_done: Any) -> None:
+        chunks = self._chunks.get((unit.id, phase), [])
+        op = _Op(vec, chunks, bits, on_done)
+        if not chunks:
+            on_done(vec, bits)
+            return
+        self._ops[(unit.id, rnd, phase)] = op
+        codec = self.host.codec
+        for c in chunks:
+            wire, flag = codec.encode(unit.id, vec[c.offset:c.offset + c.count])
+            self.host.send(unit, [(SHARD, c.shard)],
+                           self.header(unit, rnd, PUSH, bits | flag, param=c.param,
+                                       chunk=c.chunk, phase=phase), [wire])
+
+    def check(self, msg: Message, rounds: tuple[int, int]) -> str | None:
+        h = msg.header
+        c = self._by_id.get((h.param, h.chunk))
+        if h.op != SUM or c is None:
+            return f"no PS sum of vector {h.param} chunk {h.chunk} (op {h.op})"
+        if msg.sender != (SHARD, c.shard) or h.layer != c.layer or h.phase != c.phase:
+            return f"vector {h.param} chunk {h.chunk} does not come from {msg.sender} / unit {h.layer}"
+        if h.round not in rounds:
+            return f"unit {h.layer}: round {h.round}, expected {rounds[0]}"
+        return arrays_are(msg, [((c.count,), c.dtype)])
+
+    def receive(self, msg: Message) -> None:
+        h = msg.header
+        op = self._ops.get((h.layer, h.round, h.phase))
+        c = self._by_id[(h.param, h.chunk)]
+        if op is None or c.chunk in op.seen:
+            raise RuntimeError(f"a sum of unit {h.layer} round {h.round} chunk {c.chunk} that "
+                               "was not pushed")
+        op.seen.add(c.chunk)
+        op.vec[c.offset:c.offset + c.count] = self.host.codec.decode(h.layer, msg.arrays[0])
+        op.bits |= h.request
+        op.remaining -= 1
+        if op.remaining == 0:
+            del self._ops[(h.layer, h.round, h.phase)]
+            op.on_done(op.vec, op.bits)
+
+    def missing(self, unit: Unit, rnd: int) -> list[PeerId]:
+        out: list[PeerId] = []
+        for (uid, r, _), op in self._ops.items():
+            if uid == unit.id and r == rnd:
+                out += [(SHARD, c.shard) for c in op.chunks if c.chunk not in op.seen]
+        return sorted(set(out))
+
+    def largest_frame(self) -> int:
+        return max((c.count * np.dtype(c.dtype).itemsize for c in self.layout), default=0)

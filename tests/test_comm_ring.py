@@ -1,0 +1,188 @@
+"""Ring allreduce, fusion and the fp16 wire: exact sums, bit-identical replicas, byte counts.
+
+P workers (and, for PS, P shards) run as threads of this process, each with its own ZeroMQ
+endpoint on loopback and its own syncer, exactly as in a worker process. Each worker's
+gradients are drawn from a per-(rank, round) generator, so the test computes the exact sum in
+float64 and compares every worker's mean gradient with it.
+"""
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from engine.comm.planner import LayerInfo, make_plan
+from engine.comm.schemes.base import OVERFLOW_BIT
+from engine.comm.shard import ShardServer
+from engine.comm.syncer import LayerSlot, ParamSlot, Syncer, open_worker
+from tests.test_comm_transport import KEY, local_hosts
+
+#: odd sizes, a layer smaller than P, an empty one, and a two-parameter layer
+SHAPES = {0: [(37, 11), (11,)], 1: [(3,)], 2: [(0,)], 3: [(1000,)], 4: [(5, 7)]}
+
+
+def grads(rank: int, rnd: int, shapes: dict) -> dict:
+    rng = np.random.default_rng(7919 * rank + rnd)
+    return {l: [rng.standard_normal(s).astype(np.float32) for s in ss] for l, ss in shapes.items()}
+
+
+def run(world: int, comm: str, rounds: int = 2, chunk_bytes: int = 64, fusion_bytes: int = 0,
+        wire: str = "fp32", shapes: dict = SHAPES, make_grads=grads) -> dict:
+    """Train ``rounds`` rounds of synthetic gradients; per rank: every layer's mean gradient
+    per round as the update saw it, the skipped rounds, and the byte counters."""
+    hosts = local_hosts(world)
+    shards = comm in ("ps", "auto", "hybrid")
+    infos = [LayerInfo(l, f"l{l}", ss) for l, ss in shapes.items()]
+    results: dict = {}
+    errors: list[str] = []
+
+    def worker(rank: int) -> None:
+        try:
+            blobs = {l: [SimpleNamespace(data=np.zeros(s, np.float32), diff=np.zeros(s, np.float32))
+                         for s in ss] for l, ss in shapes.items()}
+            slots = {l: LayerSlot(l, f"l{l}", [ParamSlot(10 * l + j, f"l{l}/{j}", b, "other")
+                                               for j, b in enumerate(bl)])
+                     for l, bl in blobs.items()}
+            seen: dict = {}
+            done = {l: 0 for l in shapes}
+
+            def update(layer: int) -> None:
+                seen[(layer, done[layer])] = [b.diff.copy() for b in blobs[layer]]
+                done[layer] += 1
+
+            ep = open_worker(rank, hosts, key=KEY, timeout=10, shards=shards)
+            sync = Syncer(ep, slots, update, chunk_bytes=chunk_bytes, planner=lambda link: make_plan(
+                infos, world, comm, link=link, chunk_bytes=chunk_bytes, codec=wire,
+                fusion_bytes=fusion_bytes))
+            for rnd in range(rounds):
+                for l in shapes:
+                    sync.wait(l)
+                    for b in blobs[l]:  # the solver zeroes a layer's diffs before its forward
+                        b.diff[...] = 0
+                g = make_grads(rank, rnd, shapes)
+                for l in sorted(shapes, reverse=True):
+                    for b, d in zip(blobs[l], g[l]):
+                        b.diff[...] = d
+                    sync.release(l)
+            sync.close()
+            results[rank] = (seen, ep.stats.summary(), sync.units)
+        except Exception as e:
+            errors.append(f"worker {rank}: {type(e).__name__}: {e}")
+
+    def shard(index: int) -> None:
+        try:
+            srv = ShardServer(index, hosts, key=KEY, timeout=10)
+            srv.start()
+            srv.serve()
+            srv.close()
+        except Exception as e:
+            errors.append(f"shard {index}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(world)]
+    if shards:
+        threads += [threading.Thread(target=shard, args=(s,), daemon=True) for s in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert all(not t.is_alive() for t in threads), "a worker hangs"
+    return results
+
+
+def exact_mean(world: int, rnd: int, shapes: dict = SHAPES) -> dict:
+    gs = [grads(r, rnd, shapes) for r in range(world)]
+    return {l: [np.sum([g[l][j].astype(np.float64) for g in gs], axis=0) / world
+                for j in range(len(ss))] for l, ss in shapes.items()}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 6])
+def test_ring_sum_is_exact_and_bit_identical(world):
+    res = run(world, "ring", rounds=2)
+    for rnd in range(2):
+        want = exact_mean(world, rnd)
+        for l, arrays in want.items():
+            got0 = res[0][0][(l, rnd)]
+            for j, w in enumerate(arrays):
+                np.testing.assert_allclose(got0[j], w, rtol=1e-5, atol=1e-6)
+                for r in range(1, world):
+                    assert np.array_equal(res[r][0][(l, rnd)][j], got0[j]), (r, l, j)
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_ring_byte_counters_are_two_p_minus_one_over_p(world):
+    res = run(world, "ring", rounds=2, chunk_bytes=1 << 20)
+    for rank in range(world):
+        rows = {row["layer"]: row for row in res[rank][1]["layers"]}
+        for l, ss in SHAPES.items():
+            nbytes = 4 * sum(int(np.prod(s)) for s in ss)
+            row = rows.get(l)
+            sent = row["all_sent_per_iter"] if row else 0.0
+            recv = row["all_recv_per_iter"] if row else 0.0
+            # segments differ by at most one value, so a node's share is within P values
+            assert abs(sent - 2 * (world - 1) / world * nbytes) <= 4 * world, (rank, l, row)
+            assert abs(recv - 2 * (world - 1) / world * nbytes) <= 4 * world, (rank, l, row)
+            assert row is None or row["scheme"] == "ring"
+
+
+def test_fusion_is_exact_and_sends_one_operation_per_bucket():
+    """All five layers in one bucket (ring) and in PS buckets: same sums as unfused, and the
+    messages of a round are those of one unit."""
+    for comm in ("ring", "ps"):
+        res = run(3, comm, rounds=2, chunk_bytes=1 << 20, fusion_bytes=1 << 20)
+        units = res[0][2]
+        assert len(units) == 1 and [s.layer for s in next(iter(units.values())).layers] == [4, 3, 2, 1, 0]
+        for rnd in range(2):
+            for l, arrays in exact_mean(3, rnd).items():
+                for j, w in enumerate(arrays):
+                    np.testing.assert_allclose(res[0][0][(l, rnd)][j], w, rtol=1e-5, atol=1e-6)
+                    for r in (1, 2):
+                        assert np.array_equal(res[r][0][(l, rnd)][j], res[0][0][(l, rnd)][j])
+        # one unit's counters (the bucket's id is its lowest layer) carry every layer's bytes
+        [row] = [row for row in res[0][1]["layers"] if row["scheme"] == comm]
+        total = 4 * sum(int(np.prod(s)) for ss in SHAPES.values() for s in ss)
+        if comm == "ring":
+            assert abs(row["all_sent_per_iter"] - 2 * 2 / 3 * total) <= 12
+        else:
+            assert row["all_sent_per_iter"] == total
+
+
+@pytest.mark.parametrize("comm", ["ring", "ps"])
+def test_fp16_halves_the_bytes_sums_in_float32_and_stays_bit_identical(comm):
+    res32 = run(3, comm, rounds=2, chunk_bytes=1 << 20)
+    res16 = run(3, comm, rounds=2, chunk_bytes=1 << 20, wire="fp16")
+    for l in SHAPES:
+        r32 = {row["layer"]: row for row in res32[0][1]["layers"]}.get(l)
+        r16 = {row["layer"]: row for row in res16[0][1]["layers"]}.get(l)
+        if r32 is not None:
+            assert r16["all_sent_per_iter"] == r32["all_sent_per_iter"] / 2
+            assert r16["all_recv_per_iter"] == r32["all_recv_per_iter"] / 2
+    for rnd in range(2):
+        for l, arrays in exact_mean(3, rnd).items():
+            for j, w in enumerate(arrays):
+                got = res16[0][0][(l, rnd)][j]
+                # each value rounded to fp16 once per hop (11 bits): a few parts in 1e3
+                np.testing.assert_allclose(got, w, rtol=0, atol=4e-3 * max(1.0, np.abs(w).max(initial=0)))
+                for r in (1, 2):
+                    assert np.array_equal(res16[r][0][(l, rnd)][j], got)
+
+
+def test_fp16_overflow_skips_the_update_everywhere_and_halves_the_scale():
+    """A gradient of 300 overflows fp16 at the initial scale 256 (and its sum at 128): every
+    worker skips the same rounds, then trains on at scale 64."""
+    shapes = {0: [(4,)]}
+
+    def big(rank, rnd, shapes):
+        return {0: [np.full(4, 300.0, np.float32)]}
+
+    res = run(2, "ring", rounds=4, wire="fp16", shapes=shapes, make_grads=big)
+    for rank in (0, 1):
+        seen, stats, _ = res[rank]
+        assert stats["fp16_skipped_updates"] == 2 and stats["fp16_min_scale"] == 64
+        # the update ran for the two rounds after the skipped ones, with the exact mean
+        assert sorted(seen) == [(0, 0), (0, 1)]
+        for key in seen:
+            np.testing.assert_array_equal(seen[key][0], np.full(4, 300.0, np.float32))
+    assert OVERFLOW_BIT == 4
