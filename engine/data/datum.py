@@ -64,16 +64,10 @@ def encode_image(chw: np.ndarray, fmt: str = "PNG") -> bytes:
     return out.getvalue()
 
 
-def resize_bilinear(hwc: np.ndarray, height: int, width: int) -> np.ndarray:
-    """OpenCV's INTER_LINEAR resize (half-pixel centres, edge clamp, no antialiasing).
-
-    Pillow's bilinear filter widens its kernel when shrinking, so it would not give the
-    pictures Caffe's ImageData layer sees; this follows cv::resize instead (to within one
-    grey level: OpenCV rounds its weights to 11 bits).
-    """
+def bilinear(hwc: np.ndarray, height: int, width: int) -> np.ndarray:
+    """OpenCV's INTER_LINEAR geometry (half-pixel centres, edge clamp, no antialiasing) on an
+    H x W x K array of any dtype; the result is float64, unrounded."""
     h, w = hwc.shape[:2]
-    if (h, w) == (height, width):
-        return hwc
 
     def axis(n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         src = (np.arange(n_out, dtype=np.float64) + 0.5) * (n_in / n_out) - 0.5
@@ -86,9 +80,20 @@ def resize_bilinear(hwc: np.ndarray, height: int, width: int) -> np.ndarray:
     x0, x1, fx = axis(w, width)
     img = hwc.astype(np.float64)
     rows = img[y0] * (1 - fy[:, :, None]) + img[y1] * fy[:, :, None]
-    out = rows[:, x0] * (1 - fx[None]) + rows[:, x1] * fx[None]
+    return rows[:, x0] * (1 - fx[None]) + rows[:, x1] * fx[None]
+
+
+def resize_bilinear(hwc: np.ndarray, height: int, width: int) -> np.ndarray:
+    """OpenCV's INTER_LINEAR resize of a uint8 H x W x K image.
+
+    Pillow's bilinear filter widens its kernel when shrinking, so it would not give the
+    pictures Caffe's ImageData layer sees; this follows cv::resize instead (to within one
+    grey level: OpenCV rounds its weights to 11 bits).
+    """
+    if hwc.shape[:2] == (height, width):
+        return hwc
     # OpenCV's fixed-point arithmetic rounds halves up
-    return np.clip(np.floor(out + 0.5), 0, 255).astype(np.uint8)
+    return np.clip(np.floor(bilinear(hwc, height, width) + 0.5), 0, 255).astype(np.uint8)
 
 
 def load_image(path: Path, is_color: bool = True, new_height: int = 0,
