@@ -38,6 +38,9 @@ def decode_image(buf: bytes, color: bool | None = None) -> np.ndarray:
     try:
         img = Image.open(io.BytesIO(buf))
         img.load()
+    except Image.UnidentifiedImageError:
+        raise DataError(f"cannot decode image ({len(buf)} bytes): not in a format Pillow "
+                        "reads (PNG, JPEG, BMP, ...)") from None
     except Exception as e:
         raise DataError(f"cannot decode image ({len(buf)} bytes): {e}") from None
     if color is None:
