@@ -115,3 +115,12 @@ def test_draw_lays_out_layers_and_blobs(tmp_path):
         pytest.skip("Graphviz's dot is not installed: the picture itself is not rendered")
     caffe.draw.draw_net_to_file(proto, str(tmp_path / "net.png"))
     assert (tmp_path / "net.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_draw_without_pydot_says_how_to_get_it(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "pydot", None)  # as if it were not installed
+    monkeypatch.delitem(sys.modules, "caffe.draw", raising=False)
+    with pytest.raises(ImportError, match=r"caffe.draw needs pydot: pip install 'poseidon\[draw\]'"):
+        import caffe.draw  # noqa: F401
