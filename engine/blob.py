@@ -87,6 +87,20 @@ class Blob:
     def num_axes(self) -> int:
         return self.data.ndim
 
+    def legacy_shape(self, index: int) -> int:
+        """Caffe's LegacyShape: a dimension of the old 4-D view (1 past the blob's axes)."""
+        if self.data.ndim > 4:
+            raise ValueError(f"blob {self.name!r} of shape {self.shape} has more than 4 axes: "
+                             "num/channels/height/width do not apply")
+        n = self.data.ndim
+        return self.shape[index] if -n <= index < n else 1
+
+    # pycaffe's (and Caffe's) names for the 4-D view: blob.num, blob.channels, ...
+    num = property(lambda self: self.legacy_shape(0))
+    channels = property(lambda self: self.legacy_shape(1))
+    height = property(lambda self: self.legacy_shape(2))
+    width = property(lambda self: self.legacy_shape(3))
+
     def canonical_axis(self, axis: int) -> int:
         """Caffe's CanonicalAxisIndex: negative axes count from the end."""
         n = self.data.ndim
@@ -100,7 +114,7 @@ class Blob:
         return int(np.prod(dims, dtype=np.int64)) if dims else 1
 
     def reshape(self, *dims: int | Sequence[int]) -> None:
-        """``reshape((2, 3))``, or pycaffe's ``reshape(2, 3)``."""
+        """``reshape((2, 3))``, or pycaffe's ``reshape(2, 3)``; ``reshape()`` makes a scalar."""
         shape = tuple(int(s) for s in (dims[0] if len(dims) == 1 and not isinstance(
             dims[0], (int, np.integer)) else dims))  # type: ignore[union-attr]
         if shape == self.shape:

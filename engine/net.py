@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Collection, Iterable, Sequence
 
 import numpy as np
 
@@ -271,9 +271,10 @@ class Net:
             self.bottom_vecs.append(bottoms)
             self.top_vecs.append(tops)
             self.bottom_need_backward.append(need_bw)
-            if lp.name not in self.params or not self.params[lp.name]:
-                # Caffe allows two layers of one name (MNIST autoencoder's two "loss" layers);
-                # by name, the first one with parameters is the one found, as in Caffe.
+            if layer.blobs and lp.name not in self.params:
+                # pycaffe's net.params: only layers that have parameters. Caffe allows two
+                # layers of one name (MNIST autoencoder's two "loss" layers); by name, the
+                # first one with parameters is the one found, as in Caffe.
                 self.params[lp.name] = layer.blobs
             layer_need_backward.append(need_backward)
             for name in lp.top:
@@ -388,18 +389,22 @@ class Net:
             if tl.active:
                 tl.complete(self.layer_names[i], "backward", start)
 
-    def seed_loss_diffs(self) -> None:
-        """Write each loss top's weight into its diff: backward starts from there."""
+    def seed_loss_diffs(self, skip: Collection[int] = ()) -> None:
+        """Write each loss top's weight into its diff (backward starts from there), except
+        the blobs whose id is in ``skip`` (diffs the caller gave)."""
         for li, j, w in self.loss_tops:
-            self.top_vecs[li][j].diff[...] = w
+            if id(self.top_vecs[li][j]) not in skip:
+                self.top_vecs[li][j].diff[...] = w
 
     def loss(self) -> float:
         return float(sum(w * float(self.top_vecs[li][j].data.sum())
                          for li, j, w in self.loss_tops))
 
-    def forward(self, blobs: Sequence[str] = (), start: str | None = None, end: str | None = None,
-                **inputs: Any) -> dict[str, Any]:
-        """pycaffe's forward: copy keyword inputs into blobs, run, return the output blobs."""
+    def forward(self, blobs: Sequence[str] | None = None, start: str | None = None,
+                end: str | None = None, **inputs: Any) -> dict[str, Any]:
+        """pycaffe's forward: copy keyword inputs into blobs (reshaping the blob when the
+        array's shape differs), run layers ``start``..``end`` (names, inclusive), return the
+        output blobs' data (``end``'s tops when given) and those named in ``blobs``."""
         for name, value in inputs.items():
             if name not in self.blobs:
                 raise NetError(f"{self.source}: no blob named '{name}' to feed")
@@ -409,21 +414,40 @@ class Net:
             if arr.shape != blob.shape:
                 blob.reshape(arr.shape)
             blob.data[...] = arr
-        first = self.layer_names.index(start) if start else 0
-        last = self.layer_names.index(end) if end else len(self.layers) - 1
+        first = self.layer_index(start) if start is not None else 0
+        last = self.layer_index(end) if end is not None else len(self.layers) - 1
         self.forward_prefilled(first, last)
-        names = list(self.output_blob_names) + [b for b in blobs if b not in self.output_blob_names]
-        if end:
-            names = list(self.param.layer[last].top) + list(blobs)
-        return {n: self.blobs[n].data for n in names}
+        names = list(self.param.layer[last].top) if end is not None else list(self.output_blob_names)
+        return {n: self.blobs[n].data for n in [*names, *(blobs or ())]}
 
-    def backward(self, on_layer_done: Callable[[int], None] | None = None) -> None:
-        """Backward from the top; ``on_layer_done(i)`` after each layer, in reverse order."""
-        self.seed_loss_diffs()
-        for i in range(len(self.layers) - 1, -1, -1):
+    def backward(self, diffs: Sequence[str] | None = None, start: str | None = None,
+                 end: str | None = None, on_layer_done: Callable[[int], None] | None = None,
+                 **top_diffs: Any) -> dict[str, Any]:
+        """pycaffe's backward: copy keyword diffs into the output blobs' diffs, run layers
+        ``start`` down to ``end`` (names, inclusive), return the input blobs' diffs (``end``'s
+        bottoms when given) and those named in ``diffs``. Loss outputs not given start from
+        their loss weight. ``on_layer_done(i)`` runs after each layer, in reverse order."""
+        for name, value in top_diffs.items():
+            if name not in self.blobs:
+                raise NetError(f"{self.source}: no blob named '{name}' to set a diff of")
+            blob = self.blobs[name]
+            blob.diff[...] = backend.get_array_module(blob.diff).asarray(value, dtype=blob.dtype)
+        self.seed_loss_diffs(skip={id(self.blobs[n]) for n in top_diffs})
+        first = self.layer_index(start) if start is not None else len(self.layers) - 1
+        last = self.layer_index(end) if end is not None else 0
+        for i in range(first, last - 1, -1):
             self.backward_layer(i)
             if on_layer_done is not None:
                 on_layer_done(i)
+        names = list(self.param.layer[last].bottom) if end is not None else list(self.input_blob_names)
+        return {n: self.blobs[n].diff for n in [*names, *(diffs or ())]}
+
+    def layer_index(self, name: str) -> int:
+        """The index of the first layer called ``name``."""
+        try:
+            return self.layer_names.index(name)
+        except ValueError:
+            raise NetError(f"{self.source}: no layer named '{name}'") from None
 
     def forward_backward(self) -> float:
         loss = self.forward_prefilled()

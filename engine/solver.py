@@ -114,8 +114,17 @@ def score_line(name: str, value: float, weight: float) -> str:
 class Solver:
     """Caffe's Solver for every update rule; only the root rank logs, tests and snapshots."""
 
+    #: the class of the nets it builds (pycaffe's solvers build ``caffe.Net``); None: engine.net.Net
+    net_class: type | None = None
+
     def __init__(self, solver: str | Path | Any, context: RunContext | None = None,
-                 is_root: bool = True):
+                 is_root: bool = True, *, update_rule: str | None = None,
+                 paths_from_cwd: bool = False):
+        """``solver``: a solver prototxt or a SolverParameter. ``update_rule`` overrides the
+        file's type (pycaffe's ``caffe.AdamSolver(file)`` is Adam whatever the file says).
+        Relative paths in the solver (nets, snapshot_prefix) resolve beside the solver file
+        first, then in the working directory; ``paths_from_cwd`` turns that round, as Caffe's
+        own tools and pycaffe do."""
         from . import caffe_io
 
         context = context or RunContext()
@@ -131,8 +140,13 @@ class Solver:
             param = caffe_pb2.SolverParameter()
             param.CopyFrom(solver)
             base_dirs = list(context.base_dirs)
-        if Path.cwd() not in base_dirs and Path(".") not in base_dirs:
+        if paths_from_cwd:
+            base_dirs.insert(0, Path.cwd())
+        elif Path.cwd() not in base_dirs and Path(".") not in base_dirs:
             base_dirs.append(Path.cwd())
+        if update_rule is not None:
+            param.ClearField("solver_type")
+            param.type = update_rule
         self.context = RunContext(context.rank, context.world_size, base_dirs)
         self.param = param
         self.is_root = is_root
@@ -215,7 +229,8 @@ class Solver:
         return read_net_prototxt(path), [path.parent, *self.context.base_dirs]
 
     def _make_net(self, param: Any, base_dirs: list[Path], phase: str, extra_state: Any) -> Any:
-        from .net import Net
+        from .net import Net as EngineNet
+        Net = self.net_class or EngineNet
 
         # NetState precedence, as Caffe: the phase, then the net's own state, then the solver's
         state = caffe_pb2.NetState()
@@ -422,8 +437,10 @@ class Solver:
                 if self._early_exit:
                     break
             display = bool(p.display) and self.iter % p.display == 0
+            self._call("on_iteration_start")
             backend.seed_iteration(self._random_root, self.context.rank, self.iter)
             loss = self._forward_backward()
+            self._call("on_gradients_ready")
             self._update_smoothed_loss(loss, start_iter)
             if display:
                 lapse = time.perf_counter() - timer
@@ -557,8 +574,10 @@ class Solver:
 
     def add_callback(self, callback: Any) -> None:
         """Call ``callback.on_start(solver)``, ``.on_iteration(solver, loss)`` and
-        ``.on_end(solver)`` (those it has) around ``solve`` (Caffe's Solver::Callback): how the
-        CLI draws its progress bar without the solver knowing a terminal."""
+        ``.on_end(solver)`` (those it has) around ``solve``, and in each iteration of ``step``
+        ``.on_iteration_start(solver)`` before the forward pass and
+        ``.on_gradients_ready(solver)`` after the backward pass (Caffe's Solver::Callback): how
+        the CLI draws its progress bar without the solver knowing a terminal."""
         self._callbacks.append(callback)
 
     def _call(self, event: str, *args: Any) -> None:

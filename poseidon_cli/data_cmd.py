@@ -4,7 +4,8 @@
     poseidon data fashion-mnist --out DIR [--from DIR]
     poseidon data cifar10 --out DIR [--from DIR]      convert_cifar_data (binary batches)
     poseidon data digits --out DIR                    scikit-learn's 8x8 digits, offline
-    poseidon data mean --db DIR --out mean.binaryproto   compute_image_mean
+    poseidon data images --list L --root DIR --out DB convert_imageset (your own images)
+    poseidon data mean DB --out mean.binaryproto      compute_image_mean (or --db DB)
 """
 from __future__ import annotations
 
@@ -109,16 +110,75 @@ def digits(out: Path, force: bool) -> None:
 
 
 @data.command()
-@click.option("--db", required=True, type=click.Path(path_type=Path), help="LMDB to average")
+@click.option("--list", "list_file", required=True,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="list file: one '<image path> <integer label>' per line")
+@click.option("--root", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="folder the listed paths are relative to (default: as listed)")
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="LMDB folder to write")
+@click.option("--resize-height", "--resize_height", "resize_height", type=int, default=0,
+              show_default=True, help="resize every image to this height (with --resize-width)")
+@click.option("--resize-width", "--resize_width", "resize_width", type=int, default=0,
+              show_default=True)
+@click.option("--gray", is_flag=True, help="store grey images (one channel)")
+@click.option("--shuffle", is_flag=True, help="shuffle the list's order")
+@click.option("--seed", type=int, default=0, show_default=True, help="the shuffle's seed")
+@click.option("--encoded", is_flag=True,
+              help="store encoded images (PNG/JPEG bytes) rather than raw pixels")
+@click.option("--encode-type", "--encode_type", "encode_type", default="",
+              help="encoding to store (png, jpg, ...); default: each file's own")
+@click.option("--check-size", "--check_size", "check_size", is_flag=True,
+              help="every image must have the first one's size")
+@click.option("--strict", is_flag=True, help="stop at the first bad image instead of skipping it")
+@_FORCE
+def images(list_file: Path, root: Path | None, out: Path, resize_height: int, resize_width: int,
+           gray: bool, shuffle: bool, seed: int, encoded: bool, encode_type: str,
+           check_size: bool, strict: bool, force: bool) -> None:
+    """convert_imageset: the images of a list file -> an LMDB of Datum for a Data layer.
+
+    A bad image (missing, unreadable, not an image, the wrong size with --check-size) is
+    reported by name and skipped; with --strict it stops the conversion and nothing is written.
+    """
+    from engine.data.datum import DataError
+    from engine.data.imageset import ImagesetOptions, ListEntry, convert_imageset
+    from poseidon_cli.progress import CountProgress
+
+    opts = ImagesetOptions(resize_height, resize_width, gray, shuffle, seed, encoded,
+                           encode_type, check_size, strict)
+    start = time.perf_counter()
+    with CountProgress("images") as progress:
+        def skipped(entry: ListEntry, reason: str) -> None:
+            progress.say(f"poseidon: skipping {entry.name} ({list_file}:{entry.line}): {reason}")
+        try:
+            written, n_skipped = convert_imageset(list_file, out, root, opts, force,
+                                                  on_record=progress.update, on_skip=skipped)
+        except DataError as e:
+            fail(str(e))
+        except OSError as e:
+            fail(f"cannot write {out}: {e.strerror or e}")
+    tail = f", {n_skipped} bad images skipped" if n_skipped else ""
+    click.echo(f"wrote {out}: {written} records{tail}")
+    click.echo(f"done in {time.perf_counter() - start:.1f} s")
+
+
+@data.command()
+@click.argument("db_arg", metavar="DB", required=False, type=click.Path(path_type=Path))
+@click.option("--db", type=click.Path(path_type=Path), help="LMDB to average (or give it as DB)")
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="mean file to write (.binaryproto)")
 @click.option("--backend", type=click.Choice(["lmdb", "leveldb"]), default="lmdb",
               show_default=True)
-def mean(db: Path, out: Path, backend: str) -> None:
+def mean(db_arg: Path | None, db: Path | None, out: Path, backend: str) -> None:
     """compute_image_mean: the mean image of a database, as a BlobProto."""
     from engine.data.converters import compute_image_mean
     from engine.data.datum import DataError
     from engine.data.transformer import write_mean_file
+    if db_arg is None and db is None:
+        fail("which database? `poseidon data mean DB --out FILE` (or --db DB)")
+    if db_arg is not None and db is not None and db_arg != db:
+        fail(f"two databases given ({db_arg} and --db {db}): give one")
+    db = db_arg or db
     try:
         image, n = compute_image_mean(db, backend.upper())
         write_mean_file(out, image)

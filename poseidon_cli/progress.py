@@ -51,3 +51,45 @@ class ProgressBar:
             self._progress.stop()
             self._progress = None
             glog.set_printer(None)
+
+
+class CountProgress:
+    """Progress through a known number of items (``poseidon data images``): a rich bar on a
+    terminal, else Caffe's ``Processed N files.`` line every ``every`` items. ``say`` prints
+    a line (to stderr) without breaking the bar."""
+
+    def __init__(self, what: str, every: int = 1000) -> None:
+        self._what, self._every = what, every
+        self._progress: Any = None
+        self._console: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> "CountProgress":
+        if sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, \
+                TimeRemainingColumn
+
+            self._console = Console(stderr=True)
+            self._progress = Progress(TextColumn(self._what), MofNCompleteColumn(), BarColumn(),
+                                      TimeRemainingColumn(), console=self._console)
+            self._progress.start()
+        return self
+
+    def update(self, done: int, total: int) -> None:
+        if self._progress is not None:
+            if self._task is None:
+                self._task = self._progress.add_task(self._what, total=total)
+            self._progress.update(self._task, completed=done)
+        elif done % self._every == 0 and done < total:
+            self.say(f"Processed {done} files.")
+
+    def say(self, line: str) -> None:
+        if self._console is not None:
+            self._console.print(line, markup=False, highlight=False, soft_wrap=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()

@@ -109,9 +109,10 @@ def net_to_proto(net: Any, write_diff: bool = False) -> caffe_pb2.NetParameter:
     return out
 
 
-def save_net(net: Any, path: PathLike, write_diff: bool = False) -> None:
-    """Snapshot a Net's weights: Caffe's HDF5 layout for *.h5, else a binary .caffemodel."""
-    if format_by_name(path) == "hdf5":
+def save_net(net: Any, path: PathLike, write_diff: bool = False, fmt: str | None = None) -> None:
+    """Snapshot a Net's weights: Caffe's HDF5 layout for *.h5, else a binary .caffemodel;
+    ``fmt`` ("hdf5" or "binary") decides instead of the name (pycaffe's save_hdf5)."""
+    if (fmt or format_by_name(path)) == "hdf5":
         from ..backend import to_numpy
 
         written: set[str] = set()

@@ -38,6 +38,9 @@ def decode_image(buf: bytes, color: bool | None = None) -> np.ndarray:
     try:
         img = Image.open(io.BytesIO(buf))
         img.load()
+    except Image.UnidentifiedImageError:
+        raise DataError(f"cannot decode image ({len(buf)} bytes): not in a format Pillow "
+                        "reads (PNG, JPEG, BMP, ...)") from None
     except Exception as e:
         raise DataError(f"cannot decode image ({len(buf)} bytes): {e}") from None
     if color is None:
@@ -64,16 +67,10 @@ def encode_image(chw: np.ndarray, fmt: str = "PNG") -> bytes:
     return out.getvalue()
 
 
-def resize_bilinear(hwc: np.ndarray, height: int, width: int) -> np.ndarray:
-    """OpenCV's INTER_LINEAR resize (half-pixel centres, edge clamp, no antialiasing).
-
-    Pillow's bilinear filter widens its kernel when shrinking, so it would not give the
-    pictures Caffe's ImageData layer sees; this follows cv::resize instead (to within one
-    grey level: OpenCV rounds its weights to 11 bits).
-    """
+def bilinear(hwc: np.ndarray, height: int, width: int) -> np.ndarray:
+    """OpenCV's INTER_LINEAR geometry (half-pixel centres, edge clamp, no antialiasing) on an
+    H x W x K array of any dtype; the result is float64, unrounded."""
     h, w = hwc.shape[:2]
-    if (h, w) == (height, width):
-        return hwc
 
     def axis(n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         src = (np.arange(n_out, dtype=np.float64) + 0.5) * (n_in / n_out) - 0.5
@@ -86,9 +83,20 @@ def resize_bilinear(hwc: np.ndarray, height: int, width: int) -> np.ndarray:
     x0, x1, fx = axis(w, width)
     img = hwc.astype(np.float64)
     rows = img[y0] * (1 - fy[:, :, None]) + img[y1] * fy[:, :, None]
-    out = rows[:, x0] * (1 - fx[None]) + rows[:, x1] * fx[None]
+    return rows[:, x0] * (1 - fx[None]) + rows[:, x1] * fx[None]
+
+
+def resize_bilinear(hwc: np.ndarray, height: int, width: int) -> np.ndarray:
+    """OpenCV's INTER_LINEAR resize of a uint8 H x W x K image.
+
+    Pillow's bilinear filter widens its kernel when shrinking, so it would not give the
+    pictures Caffe's ImageData layer sees; this follows cv::resize instead (to within one
+    grey level: OpenCV rounds its weights to 11 bits).
+    """
+    if hwc.shape[:2] == (height, width):
+        return hwc
     # OpenCV's fixed-point arithmetic rounds halves up
-    return np.clip(np.floor(out + 0.5), 0, 255).astype(np.uint8)
+    return np.clip(np.floor(bilinear(hwc, height, width) + 0.5), 0, 255).astype(np.uint8)
 
 
 def load_image(path: Path, is_color: bool = True, new_height: int = 0,

@@ -43,6 +43,7 @@ from ..caffe_io.files import atomic_path, import_h5py
 from ..layers.base import Layer, register
 from .datum import (DataError, datum_to_array, decode_image, load_image, parse_datum,
                     resize_bilinear)
+from .imageset import read_image_list
 from .lmdb_source import DBSource, SourceNotFound, open_db
 from .prefetch import Prefetcher
 from .transformer import DataTransformer, read_mean_file
@@ -253,24 +254,8 @@ class ImageDataLayer(_ImageStreamLayer):
         self._setup_tops(top, self._read(int(self.record_indices(self._pos)[0]))[0])
 
     def _read_list(self, path: Path) -> list[tuple[str, int]]:
-        try:
-            text = path.read_text()
-        except OSError as e:
-            raise self.fail(f"cannot read image list {path}: {e.strerror}") from None
-        lines = []
-        for n, line in enumerate(text.splitlines(), 1):
-            line = line.strip()
-            if not line:
-                continue
-            name, _, label = line.rpartition(" ")
-            try:
-                lines.append((name.strip(), int(label)))
-            except ValueError:
-                raise self.fail(f"{path}:{n}: expected '<image path> <integer label>', "
-                                f"got {line!r}") from None
-        if not lines:
-            raise self.fail(f"image list {path} is empty")
-        return lines
+        with self._named_errors():
+            return [(e.name, e.label) for e in read_image_list(path)]
 
     def _line(self, k: int) -> tuple[str, int]:
         epoch, j = divmod(k, len(self.lines))
