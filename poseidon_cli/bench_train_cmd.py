@@ -13,19 +13,28 @@ from .simulate_cmd import parse_workers
 
 @click.command("train")
 @click.option("--workers", default="1,2,4", show_default=True, help="Local worker counts.")
-@click.option("--scheme", "schemes", default="ps,sfb,hybrid", show_default=True)
+@click.option("--scheme", "schemes", default="ps,sfb,ring,hybrid,auto", show_default=True)
+@click.option("--net", "nets", default="fc,conv", show_default=True,
+              help="fc: FC-heavy (1.3 M parameters); conv: conv-heavy (66 K parameters).")
 @click.option("--iters", type=int, default=60, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Alternating runs of DDP and each scheme; medians are reported.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-def train(workers: str, schemes: str, iters: int, json_path: str | None) -> None:
+def train(workers: str, schemes: str, nets: str, iters: int, repeats: int,
+          json_path: str | None) -> None:
     """Poseidon's workers against DDP on the same net and the same records."""
     from engine.perf.bench_comm import cpu_name_and_blas
     from engine.perf.bench_time import torch_available
-    from engine.perf.bench_train import run
+    from engine.perf.bench_train import NETS, run
 
     if iters < 6:
         fail("--iters must be at least 6 (the first third is warm-up)")
     with user_errors():
         counts = parse_workers(workers)
+    names = tuple(n.strip() for n in nets.split(",") if n.strip())
+    for n in names:
+        if n not in NETS:
+            fail(f"--net {n!r}: choose from {', '.join(NETS)}")
     click.echo(f"machine: {cpu_name_and_blas()}; loopback: overheads, not a cluster")
     ddp = torch_available()
     if not ddp:
@@ -34,7 +43,7 @@ def train(workers: str, schemes: str, iters: int, json_path: str | None) -> None
     with tempfile.TemporaryDirectory(prefix="poseidon-bench-train-") as d:
         try:
             report = run(counts, [s.strip() for s in schemes.split(",") if s.strip()], iters,
-                         Path(d), ddp, click.echo)
+                         Path(d), ddp, click.echo, names, repeats)
         except RuntimeError as e:
             fail(str(e))
     if json_path:

@@ -88,10 +88,13 @@ def test_bench_train_poseidon_side(monkeypatch, tmp_path):
     from poseidon_cli.main import cli
     monkeypatch.setattr(bench_time, "torch_available", lambda: False)
     out = tmp_path / "train.json"
-    r = CliRunner().invoke(cli, ["bench", "train", "--workers", "1,2", "--scheme", "hybrid",
-                                 "--iters", "12", "--json", str(out)])
+    r = CliRunner().invoke(cli, ["bench", "train", "--workers", "1,2", "--scheme", "hybrid,ring",
+                                 "--net", "conv", "--repeats", "1", "--iters", "12",
+                                 "--json", str(out)])
     assert r.exit_code == 0, r.output
     report = json.loads(out.read_text())
     rows = {(p["workers"], p["comm"]): p for p in report["poseidon"]}
-    assert set(rows) == {(1, "-"), (2, "hybrid")} and report["ddp"] == []
-    assert rows[(2, "hybrid")]["images_per_s"] > 0 and rows[(2, "hybrid")]["worker_bytes_per_iter"] > 0
+    assert set(rows) == {(1, "-"), (2, "hybrid"), (2, "ring")} and report["ddp"] == []
+    assert all(p["net"] == "conv" for p in report["poseidon"])
+    assert rows[(2, "ring")]["plan"] == ["ring"] and rows[(2, "hybrid")]["plan"] == ["ps"]
+    assert rows[(2, "ring")]["images_per_s"] > 0 and rows[(2, "ring")]["worker_bytes_per_iter"] > 0

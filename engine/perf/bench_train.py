@@ -1,9 +1,11 @@
 """`poseidon bench train`: data-parallel training on local workers, Poseidon against PyTorch
 DistributedDataParallel (gloo), in the same run.
 
-One net (the 8x8 digits: conv 3x3x20, InnerProduct 1280->1024, InnerProduct 1024->10, batch 32
-per worker) trained by `poseidon train --hosts` with each scheme, and by the same architecture
-under DDP. Both read the same LMDB records in the same order: worker r of P takes the r-th block
+Two nets on the 8x8 digits, batch 32 per worker: ``fc`` (conv 3x3x20, InnerProduct 1280->1024,
+InnerProduct 1024->10: FC-heavy, 1.3 M parameters) and ``conv`` (three 3x3 convolutions of 32,
+64 and 64 channels, a pooling, InnerProduct 1024->10: conv-heavy, 66 K parameters and most of
+the arithmetic in convolutions), trained by `poseidon train --hosts` with each scheme, and by the
+same architecture under DDP. Both read the same LMDB records in the same order: worker r of P takes the r-th block
 of B records of each P·B, as Poseidon's data layers do. Every process runs on one BLAS thread.
 Reports images/s (medians of the solver's iter/s after warm-up; DDP timed the same way), bytes
 per iteration, network wait and hidden fraction, and the ratio Poseidon / DDP. On one machine the
@@ -28,20 +30,46 @@ ROOT = Path(__file__).resolve().parents[2]
 BATCH = 32
 HIDDEN = 1024
 
-NET = """name: "BenchNet"
+_DATA = """name: "BenchNet"
 layer {{ name: "data" type: "Data" top: "data" top: "label"
   transform_param {{ scale: 0.00390625 }}
   data_param {{ source: "{db}" backend: LMDB batch_size: {batch} }} }}
-layer {{ name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
-  convolution_param {{ num_output: 20 kernel_size: 3 pad: 1 weight_filler {{ type: "xavier" }} }} }}
-layer {{ name: "relu0" type: "ReLU" bottom: "conv1" top: "conv1" }}
-layer {{ name: "ip1" type: "InnerProduct" bottom: "conv1" top: "ip1"
-  inner_product_param {{ num_output: {hidden} weight_filler {{ type: "xavier" }} }} }}
-layer {{ name: "relu1" type: "ReLU" bottom: "ip1" top: "ip1" }}
-layer {{ name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
-  inner_product_param {{ num_output: 10 weight_filler {{ type: "xavier" }} }} }}
-layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: "loss" }}
 """
+_LOSS = """layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "{top}" bottom: "label" top: "loss" }}
+"""
+
+
+def _conv(name: str, bottom: str, out: int) -> str:
+    return (f'layer {{{{ name: "{name}" type: "Convolution" bottom: "{bottom}" top: "{name}"\n'
+            f'  convolution_param {{{{ num_output: {out} kernel_size: 3 pad: 1 '
+            f'weight_filler {{{{ type: "xavier" }}}} }}}} }}}}\n'
+            f'layer {{{{ name: "relu_{name}" type: "ReLU" bottom: "{name}" top: "{name}" }}}}\n')
+
+
+def _ip(name: str, bottom: str, out: int, relu: bool) -> str:
+    text = (f'layer {{{{ name: "{name}" type: "InnerProduct" bottom: "{bottom}" top: "{name}"\n'
+            f'  inner_product_param {{{{ num_output: {out} weight_filler {{{{ type: "xavier" }}}} '
+            f'}}}} }}}}\n')
+    if relu:
+        text += f'layer {{{{ name: "relu_{name}" type: "ReLU" bottom: "{name}" top: "{name}" }}}}\n'
+    return text
+
+
+#: name -> (the Caffe net as a template of db and batch, the same model in PyTorch)
+NETS = {
+    "fc": (_DATA + _conv("conv1", "data", 20) + _ip("ip1", "conv1", HIDDEN, True)
+           + _ip("ip2", "ip1", 10, False) + _LOSS.replace("{top}", "ip2"),
+           f"nn.Sequential(nn.Conv2d(1, 20, 3, padding=1), nn.ReLU(), nn.Flatten(), "
+           f"nn.Linear(20 * 8 * 8, {HIDDEN}), nn.ReLU(), nn.Linear({HIDDEN}, 10))"),
+    "conv": (_DATA + _conv("conv1", "data", 32) + _conv("conv2", "conv1", 64)
+             + 'layer {{ name: "pool" type: "Pooling" bottom: "conv2" top: "pool"\n'
+               '  pooling_param {{ pool: MAX kernel_size: 2 stride: 2 }} }}\n'
+             + _conv("conv3", "pool", 64) + _ip("ip", "conv3", 10, False)
+             + _LOSS.replace("{top}", "ip"),
+             "nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), "
+             "nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2, 2), "
+             "nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(64 * 4 * 4, 10))"),
+}
 
 SOLVER = """net: "net.prototxt"
 type: "SGD"
@@ -65,8 +93,7 @@ torch.set_num_threads(1)
 rank, world, iters, port, db = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=world)
 torch.manual_seed(1)
-model = nn.Sequential(nn.Conv2d(1, 20, 3, padding=1), nn.ReLU(), nn.Flatten(),
-                      nn.Linear(20 * 8 * 8, {hidden}), nn.ReLU(), nn.Linear({hidden}, 10))
+model = {model}
 ddp = nn.parallel.DistributedDataParallel(model)
 opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 src = open_db(db)
@@ -102,17 +129,18 @@ def one_thread_env() -> dict[str, str]:
     return env
 
 
-def run_poseidon(work: Path, db: Path, workers: int, comm: str, iters: int) -> dict[str, Any]:
-    d = work / f"p{workers}_{comm}"
-    d.mkdir()
-    (d / "net.prototxt").write_text(NET.format(db=db, batch=BATCH, hidden=HIDDEN))
+def run_poseidon(work: Path, db: Path, workers: int, comm: str, iters: int, net: str = "fc",
+                 extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    d = work / f"{net}_p{workers}_{comm}{'_'.join(extra)}"
+    d.mkdir(parents=True)
+    (d / "net.prototxt").write_text(NETS[net][0].format(db=db, batch=BATCH))
     (d / "solver.prototxt").write_text(SOLVER.format(iters=iters, display=max(iters // 6, 1)))
     cmd = [sys.executable, "-m", "poseidon_cli.main", "train", "--solver", str(d / "solver.prototxt")]
     stats = d / "stats.json"
     if workers > 1:
         base = free_base_port(workers)
         (d / "hosts").write_text("".join(f"127.0.0.1:{base + 2 * i}\n" for i in range(workers)))
-        cmd += ["--hosts", str(d / "hosts"), "--comm", comm, "--stats", str(stats)]
+        cmd += ["--hosts", str(d / "hosts"), "--comm", comm, "--stats", str(stats), *extra]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=one_thread_env(),
                           timeout=900)
     if done.returncode != 0:
@@ -120,20 +148,21 @@ def run_poseidon(work: Path, db: Path, workers: int, comm: str, iters: int) -> d
     rates = [float(m) for m in re.findall(r"Iteration \d+ \(([\d.e+-]+) iter/s", done.stderr)]
     rates = rates[2:] or rates  # skip the start-up windows
     ips = statistics.median(rates) if rates else float("nan")
-    out: dict[str, Any] = {"workers": workers, "comm": comm if workers > 1 else "-",
+    out: dict[str, Any] = {"net": net, "workers": workers, "comm": comm if workers > 1 else "-",
                            "iter_per_s": ips, "images_per_s": ips * BATCH * workers}
     if workers > 1:
         s = json.loads(stats.read_text())
-        out.update(wait_ms_per_iter=1e3 * s["wait_s_per_iter"],
+        out.update(plan=sorted({p["scheme"] for p in s["plan"]}),
+                   wait_ms_per_iter=1e3 * s["wait_s_per_iter"],
                    hidden_fraction=s["hidden_fraction"],
                    worker_bytes_per_iter=sum(r["all_sent_per_iter"] + r["all_recv_per_iter"]
                                              for r in s["layers"]))
     return out
 
 
-def run_ddp(db: Path, workers: int, iters: int) -> dict[str, Any]:
+def run_ddp(db: Path, workers: int, iters: int, net: str = "fc") -> dict[str, Any]:
     port = str(free_base_port(1))
-    code = _DDP_CHILD.format(hidden=HIDDEN, batch=BATCH)
+    code = _DDP_CHILD.format(model=NETS[net][1], batch=BATCH)
     procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(workers), str(iters), port,
                                str(db)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=one_thread_env()) for r in range(workers)]
@@ -147,33 +176,53 @@ def run_ddp(db: Path, workers: int, iters: int) -> dict[str, Any]:
         raise RuntimeError("DDP failed: " + " | ".join(e.strip().splitlines()[-1] for _, e in outs
                                                        if e.strip()))
     ips = json.loads(outs[0][0].strip().splitlines()[-1])["iter_per_s"]
-    return {"workers": workers, "iter_per_s": ips, "images_per_s": ips * BATCH * workers}
+    return {"net": net, "workers": workers, "iter_per_s": ips,
+            "images_per_s": ips * BATCH * workers}
 
 
 def run(workers: list[int], comms: list[str], iters: int, work: Path, with_ddp: bool,
-        say: Callable[[str], None] = print) -> dict[str, Any]:
+        say: Callable[[str], None] = print, nets: tuple[str, ...] = ("fc",),
+        repeats: int = 1) -> dict[str, Any]:
+    """Every (net, P) runs DDP and each scheme ``repeats`` times, alternating; the rates are
+    the medians of the repeats."""
     from engine.data.converters import convert_digits
 
     convert_digits(work / "digits")
     db = work / "digits" / "digits_train_lmdb"
-    results: dict[str, Any] = {"batch_per_worker": BATCH, "iters": iters,
+    results: dict[str, Any] = {"batch_per_worker": BATCH, "iters": iters, "repeats": repeats,
                                "cpu_count": os.cpu_count(), "poseidon": [], "ddp": []}
-    for n in workers:
-        ddp = run_ddp(db, n, iters) if with_ddp else None
-        if ddp:
-            results["ddp"].append(ddp)
-        for comm in (comms if n > 1 else ["-"]):
-            r = run_poseidon(work, db, n, comm, iters)
+    for net in nets:
+        for n in workers:
+            runs: dict[str, list[dict[str, Any]]] = {}
+            for k in range(repeats):  # alternate: DDP, then each scheme, then again
+                if with_ddp:
+                    runs.setdefault("ddp", []).append(run_ddp(db, n, iters, net))
+                for comm in (comms if n > 1 else ["-"]):
+                    runs.setdefault(comm, []).append(
+                        run_poseidon(work / f"r{k}", db, n, comm, iters, net))
+            ddp = _median_run(runs["ddp"]) if with_ddp else None
             if ddp:
-                r["ratio_vs_ddp"] = r["images_per_s"] / ddp["images_per_s"]
-            results["poseidon"].append(r)
-            line = f"P={n} {r['comm']:>6}: poseidon {r['images_per_s']:8.0f} img/s"
-            if ddp:
-                line += f", DDP {ddp['images_per_s']:8.0f} img/s, ratio {r['ratio_vs_ddp']:.2f}"
-            if n > 1:
-                line += (f"; wait {r['wait_ms_per_iter']:.1f} ms/iter, "
-                         f"{100 * r['hidden_fraction']:.0f}% hidden, "
-                         f"{r['worker_bytes_per_iter'] / 1e6:.2f} MB/iter")
-            say(line)
-        time.sleep(0)
+                results["ddp"].append(ddp)
+            for comm in (comms if n > 1 else ["-"]):
+                r = _median_run(runs[comm])
+                if ddp:
+                    r["ratio_vs_ddp"] = r["images_per_s"] / ddp["images_per_s"]
+                results["poseidon"].append(r)
+                line = f"{net:>4} P={n} {r['comm']:>6}: poseidon {r['images_per_s']:8.0f} img/s"
+                if ddp:
+                    line += (f", DDP {ddp['images_per_s']:8.0f} img/s, "
+                             f"ratio {r['ratio_vs_ddp']:.2f}")
+                if n > 1:
+                    line += (f"; wait {r['wait_ms_per_iter']:.1f} ms/iter, "
+                             f"{100 * r['hidden_fraction']:.0f}% hidden, "
+                             f"{r['worker_bytes_per_iter'] / 1e6:.2f} MB/iter, plan {r['plan']}")
+                say(line)
     return results
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The repeat whose rate is the median (its other counters with it), all rates kept."""
+    ordered = sorted(runs, key=lambda r: r["images_per_s"])
+    out = dict(ordered[len(ordered) // 2])
+    out["images_per_s_runs"] = [r["images_per_s"] for r in runs]
+    return out
