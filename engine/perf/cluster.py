@@ -21,6 +21,7 @@ import datetime as dt
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -150,6 +151,13 @@ def iteration_times(log: str) -> dict[int, float]:
     return out
 
 
+def split_variant(spec: str) -> tuple[str, list[str]]:
+    """'ps:--no-priority --fusion-mb=4' -> ('ps', ['--no-priority', '--fusion-mb=4']): a
+    scheme and the train options of one variant of it."""
+    comm, _, extra = spec.partition(":")
+    return comm, shlex.split(extra)
+
+
 def bench_solver(solver: Path, out: Path, iters: int) -> Path:
     """A copy of ``solver`` for one measurement: ``iters`` iterations logged one by one, no
     tests and no snapshots, its net named by an absolute path."""
@@ -193,8 +201,9 @@ def measure(solver: Path, workers: int, scheme: str, bits_per_s: float, compute:
             for r in range(workers):
                 cmd = [sys.executable, "-m", "poseidon_cli.main", "train", "--solver", str(copy)]
                 if workers > 1:
-                    cmd += ["--hosts", str(hosts), "--rank", str(r), "--comm", scheme,
-                            "--timeout", "60"]
+                    comm, extra = split_variant(scheme)
+                    cmd += ["--hosts", str(hosts), "--rank", str(r), "--comm", comm,
+                            "--timeout", "60", *extra]
                     if r == 0:
                         cmd += ["--stats", str(out / "stats.json")]
                 if compute == "replay":
@@ -242,7 +251,7 @@ def run_bench(solver: Path, workers: list[int], schemes: list[str], bits_per_s: 
                                                compute, trace_path, time_scale, iters, warmup)
             device = cpu_device(2 * p if p > 1 else 1)
             pred = predict(info, trace.scaled(scale) if scale != 1 else trace, p,
-                           scheme if p > 1 else "ps", link, device)
+                           split_variant(scheme)[0] if p > 1 else "ps", link, device)
             net_bytes = sum(r["net_sent_per_iter"] + r["net_recv_per_iter"]
                             for r in stats.get("layers", []))
             m = Measurement(p, scheme, compute, period / scale, pred.iteration_s / scale,
