@@ -13,7 +13,9 @@ from .simulate_cmd import parse_workers
 
 @click.command("train")
 @click.option("--workers", default="1,2,4", show_default=True, help="Local worker counts.")
-@click.option("--scheme", "schemes", default="ps,sfb,ring,hybrid,auto", show_default=True)
+@click.option("--scheme", "schemes", default="ps,sfb,ring,hybrid,auto", show_default=True,
+              help="Schemes to run; a variant adds train options after a colon: "
+              "'ring:--fusion-mb=4', 'auto:--no-priority'.")
 @click.option("--net", "nets", default="fc,conv", show_default=True,
               help="fc: FC-heavy (1.3 M parameters); conv: conv-heavy (66 K parameters).")
 @click.option("--iters", type=int, default=60, show_default=True)

@@ -13,6 +13,8 @@ from typing import Sequence
 
 import click
 
+from engine.comm.schemes import SCHEMES
+
 from .main import fail, user_errors
 
 
@@ -85,7 +87,8 @@ def plot_speedup(predictions: Sequence, path: str, title: str) -> None:
 @click.option("--link", "link_path", type=click.Path(dir_okay=False), default=None,
               help="alpha and beta fitted by `poseidon bench comm --link-out` (replaces "
               "--bandwidth and --latency).")
-@click.option("--scheme", "schemes", default="ps,sfb,ring,hybrid,auto", show_default=True,
+@click.option("--scheme", "schemes", default=",".join([*SCHEMES, "hybrid", "auto"]),
+              show_default=True,
               help="Schemes to compare.")
 @click.option("--chunk-bytes", type=int, default=4 << 20, show_default=True,
               help="The PS chunk size the run will use.")

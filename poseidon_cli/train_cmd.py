@@ -8,6 +8,9 @@ from typing import Iterator
 
 import click
 
+from engine.comm.codecs import CODECS
+from engine.comm.planner import COMM_MODES
+
 from .main import fail, user_errors
 
 from .launch.config import SIGNAL_ACTIONS  # Caffe's -sigint_effect / -sighup_effect values
@@ -82,16 +85,15 @@ def solver_gpu(solver: str) -> list[int] | None:
               "file).")
 @click.option("--rank", type=int, default=None,
               help="This process's rank in the hosts file (default: launch the local entries).")
-@click.option("--comm", type=click.Choice(["auto", "hybrid", "ps", "sfb", "ring"]),
-              default="auto", show_default=True, help="Gradient communication per layer: the "
+@click.option("--comm", type=click.Choice(COMM_MODES), default="auto", show_default=True, help="Gradient communication per layer: the "
               "fastest of PS, SFB and ring by the cost model (auto), Poseidon's PS/SFB choice "
               "by bytes (hybrid), or one scheme wherever the layer allows it.")
-@click.option("--wire", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
+@click.option("--wire", type=click.Choice(list(CODECS)), default="fp32", show_default=True,
               help="Gradients on the wire: float32, or float16 (half the bytes; sums in "
               "float32; an overflow skips that layer's update and halves its scale).")
-@click.option("--fusion-mb", type=click.FloatRange(min=0), default=0.0, show_default=True,
+@click.option("--fusion-mb", type=click.FloatRange(min=0), default=4.0, show_default=True,
               help="Fuse consecutive small PS / ring layers into buckets of at most this many "
-              "MB (0: no fusion).")
+              "MB (0: no fusion; 4 measured best, see the README).")
 @click.option("--fusion-ms", type=click.FloatRange(min=0), default=5.0, show_default=True,
               help="A bucket's first layer waits at most this long (estimated) for its last.")
 @click.option("--link", default=None, metavar="BW[@LATENCY]|FILE",

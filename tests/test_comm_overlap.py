@@ -47,8 +47,10 @@ def test_upper_layers_communicate_during_lower_backward(comm, digits_db, tmp_pat
     (tmp_path / "solver.prototxt").write_text(SOLVER)
     hosts, _ = write_hosts(tmp_path, 2)
     stats = tmp_path / "stats.json"
+    # one unit per layer (no fusion): this is about each layer going out on its own
     done = poseidon("train", "--solver", str(tmp_path / "solver.prototxt"), "--hosts", str(hosts),
-                    "--comm", comm, "--stats", str(stats), "--timeout", "30", timeout=180)
+                    "--comm", comm, "--fusion-mb", "0", "--stats", str(stats), "--timeout", "30",
+                    timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     s = json.loads(stats.read_text())
     assert s["iterations"] == 20 and s["comm_s_per_iter"] > 0

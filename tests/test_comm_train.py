@@ -194,11 +194,14 @@ def check_plan_and_counters(s: dict, world: int, comm: str, k: int) -> None:
     """Every layer's scheme and rank 0's byte counters against the cost model (DESIGN.md).
 
     InnerProduct layers are those with a 2-D (N x M) weight; ``k`` is the batch per worker
-    (both nets feed the InnerProducts one row per image). Without a shard's own counters only
-    the worker side of PS is checked here; test_comm_sync checks the node formula.
+    (both nets feed the InnerProducts one row per image). Counters are per unit (a layer, or a
+    fusion bucket of consecutive PS or ring layers, named 'ip2+ip1'). Without a shard's own
+    counters only the worker side of PS is checked here; test_comm_sync checks the node formula.
     """
     counters = {row["name"]: row for row in s["layers"]}
-    assert counters.keys() == {p["layer"] for p in s["plan"]}
+    plan = {p["index"]: p for p in s["plan"]}
+    assert sorted(l for u in s["units"] for l in u["layers"]) == sorted(plan)
+    assert counters.keys() == {"+".join(plan[l]["layer"] for l in u["layers"]) for u in s["units"]}
     for p in s["plan"]:
         params = sum(math.prod(shape) for shape in p["shapes"])
         ps = FLOAT * cost_ps_node(params, world, world)
@@ -211,11 +214,15 @@ def check_plan_and_counters(s: dict, world: int, comm: str, k: int) -> None:
         else:
             assert p["sfb_bytes"] is None, p
             want = "ring" if comm == "ring" else "ps"
-        assert p["scheme"] == want and counters[p["layer"]]["scheme"] == want, (p, comm)
-        row = counters[p["layer"]]
-        if want == "sfb":  # K rows of u (N wide) and v (M wide) to and from each of P-1 peers
-            assert row["net_sent_per_iter"] + row["net_recv_per_iter"] == sfb, row
-        elif want == "ring":  # 2(P-1)/P of the layer each way, to within the uneven segments
+        assert p["scheme"] == want, (p, comm)
+    for u in s["units"]:
+        layers = [plan[l] for l in u["layers"]]
+        row = counters["+".join(p["layer"] for p in layers)]
+        assert {p["scheme"] for p in layers} == {u["scheme"]} == {row["scheme"]}, (u, row)
+        params = sum(math.prod(shape) for p in layers for shape in p["shapes"])
+        if u["scheme"] == "sfb":  # K rows of u (N wide) and v (M wide) to and from P-1 peers
+            assert row["net_sent_per_iter"] + row["net_recv_per_iter"] == layers[0]["sfb_bytes"], row
+        elif u["scheme"] == "ring":  # 2(P-1)/P of the unit each way, within uneven segments
             moved = row["net_sent_per_iter"] + row["net_recv_per_iter"]
             assert abs(moved - FLOAT * cost_ring(params, world)) <= 2 * world * FLOAT, row
         else:  # the worker pushes and pulls every float once

@@ -33,7 +33,8 @@ from .schemes import SCHEMES
 from .schemes.base import Device, LayerTiming
 from .schemes.ps import DEFAULT_CHUNK_BYTES
 
-COMM_MODES = ("auto", "hybrid", "ps", "sfb", "ring")
+#: what --comm takes: the planner's two modes, then every registered scheme
+COMM_MODES = ("auto", "hybrid", *SCHEMES)
 #: a loopback-like link for planning when none is known (tests, simulate without --link)
 DEFAULT_LINK = Link(50e-6, 1 / 1.25e9, "default: 10 Gbit/s, 50 us")
 

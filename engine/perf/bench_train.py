@@ -129,9 +129,13 @@ def one_thread_env() -> dict[str, str]:
     return env
 
 
-def run_poseidon(work: Path, db: Path, workers: int, comm: str, iters: int, net: str = "fc",
-                 extra: tuple[str, ...] = ()) -> dict[str, Any]:
-    d = work / f"{net}_p{workers}_{comm}{'_'.join(extra)}"
+def run_poseidon(work: Path, db: Path, workers: int, variant: str, iters: int,
+                 net: str = "fc") -> dict[str, Any]:
+    """One training run; ``variant`` is a scheme and maybe train options ('ring:--fusion-mb=4')."""
+    from .cluster import split_variant
+
+    comm, extra = split_variant(variant)
+    d = work / f"{net}_p{workers}_{len(list(work.glob('*')))}"
     d.mkdir(parents=True)
     (d / "net.prototxt").write_text(NETS[net][0].format(db=db, batch=BATCH))
     (d / "solver.prototxt").write_text(SOLVER.format(iters=iters, display=max(iters // 6, 1)))
@@ -144,11 +148,11 @@ def run_poseidon(work: Path, db: Path, workers: int, comm: str, iters: int, net:
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=one_thread_env(),
                           timeout=900)
     if done.returncode != 0:
-        raise RuntimeError(f"poseidon P={workers} {comm}: {done.stderr.strip().splitlines()[-1:]}")
+        raise RuntimeError(f"poseidon P={workers} {variant}: {done.stderr.strip().splitlines()[-1:]}")
     rates = [float(m) for m in re.findall(r"Iteration \d+ \(([\d.e+-]+) iter/s", done.stderr)]
     rates = rates[2:] or rates  # skip the start-up windows
     ips = statistics.median(rates) if rates else float("nan")
-    out: dict[str, Any] = {"net": net, "workers": workers, "comm": comm if workers > 1 else "-",
+    out: dict[str, Any] = {"net": net, "workers": workers, "comm": variant if workers > 1 else "-",
                            "iter_per_s": ips, "images_per_s": ips * BATCH * workers}
     if workers > 1:
         s = json.loads(stats.read_text())

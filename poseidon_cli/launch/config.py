@@ -29,7 +29,7 @@ class JobConfig:
     #: the gradients' encoding on the wire (engine/comm/codecs.py)
     wire: str = "fp32"
     #: fusion buckets: at most this many MB, nor a first layer waiting longer than fusion_ms
-    fusion_mb: float = 0.0
+    fusion_mb: float = 4.0
     fusion_ms: float = 5.0
     #: the link to plan for ("10gbit@50us" or a poseidon-link file); None: probe at start-up
     link: str | None = None

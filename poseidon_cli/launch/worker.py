@@ -82,7 +82,8 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
         glog.info(plan_table(plan, world))
         glog.info(f"The losses and outputs below are rank 0's, over its {total // world} of the "
                   f"{total} images of each iteration")
-        stats.extra["plan"] = [{"layer": p.info.name, "shapes": p.info.shapes, "scheme": p.scheme,
+        stats.extra["plan"] = [{"layer": p.info.name, "index": p.info.layer,
+                                "shapes": p.info.shapes, "scheme": p.scheme,
                                 "bytes_per_node": p.bytes_per_node, "predicted_s": p.predicted_s,
                                 "ps_bytes": p.ps_bytes, "sfb_bytes": p.sfb_bytes,
                                 "ring_bytes": p.ring_bytes} for p in plan.layers]

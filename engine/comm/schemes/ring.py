@@ -72,13 +72,16 @@ class Ring(DenseScheme):
         sub = min(seg, chunk_bytes)
         moved = 2.0 * (world - 1) * seg
         steps = 2 * (world - 1)
-        # one step's sub-chunk hop plus its addition: the pipeline's depth
+        # a sub-chunk's hop (latency, transfer, the addition on arrival): each step waits for
+        # the previous one's, so a small layer takes `steps` hops; a large one is bandwidth-
+        # bound, the sub-chunks of a step pipelining behind the first
         hop = link.alpha_s + link.beta_s_per_byte * sub + sub / device.add_bytes_per_s
-        busy = steps * link.alpha_s + link.beta_s_per_byte * moved
+        busy = link.beta_s_per_byte * moved + steps * link.alpha_s
+        chain = steps * hop
         update = device.update_s(info.params * info.itemsize)
         adds = (world - 1) * seg / device.add_bytes_per_s
-        return LayerTiming(info.name, cls.name, moved, moved, busy, busy, hop,
-                           max(hop, (steps - 1) * hop - busy),
+        return LayerTiming(info.name, cls.name, moved, moved, busy - hop, busy - hop, hop,
+                           max(hop, chain - busy),
                            adds + (0.0 if device.update_on_device else update), update)
 
     # ---------------------------------------------------------------------------- rounds
