@@ -21,9 +21,13 @@ from .simulate_cmd import parse_workers
 @click.option("--iters", type=int, default=60, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
               help="Alternating runs of DDP and each scheme; medians are reported.")
+@click.option("--bandwidth", default=None, metavar="BW",
+              help="Run every worker (Poseidon's and DDP's) in a network namespace of its own "
+              "with its link shaped to BW each way (10gbit, 1gbit; needs root), instead of "
+              "loopback.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def train(workers: str, schemes: str, nets: str, iters: int, repeats: int,
-          json_path: str | None) -> None:
+          bandwidth: str | None, json_path: str | None) -> None:
     """Poseidon's workers against DDP on the same net and the same records."""
     from engine.perf.bench_comm import cpu_name_and_blas
     from engine.perf.bench_time import torch_available
@@ -33,11 +37,23 @@ def train(workers: str, schemes: str, nets: str, iters: int, repeats: int,
         fail("--iters must be at least 6 (the first third is warm-up)")
     with user_errors():
         counts = parse_workers(workers)
+        bits = None
+        if bandwidth is not None:
+            from engine.perf.link import parse_bandwidth
+            from engine.perf.netns import ClusterError, check_root, cleanup_stale
+            bits = parse_bandwidth(bandwidth)
+            try:
+                check_root()
+            except ClusterError as e:
+                fail(str(e))
+            cleanup_stale()
     names = tuple(n.strip() for n in nets.split(",") if n.strip())
     for n in names:
         if n not in NETS:
             fail(f"--net {n!r}: choose from {', '.join(NETS)}")
-    click.echo(f"machine: {cpu_name_and_blas()}; loopback: overheads, not a cluster")
+    click.echo(f"machine: {cpu_name_and_blas()}; " + (
+        f"every worker in a namespace, links shaped to {bandwidth} each way" if bits else
+        "loopback: overheads, not a cluster"))
     ddp = torch_available()
     if not ddp:
         click.echo("PyTorch is not installed (pip install torch==2.13.0): Poseidon alone, no "
@@ -45,7 +61,7 @@ def train(workers: str, schemes: str, nets: str, iters: int, repeats: int,
     with tempfile.TemporaryDirectory(prefix="poseidon-bench-train-") as d:
         try:
             report = run(counts, [s.strip() for s in schemes.split(",") if s.strip()], iters,
-                         Path(d), ddp, click.echo, names, repeats)
+                         Path(d), ddp, click.echo, names, repeats, bits)
         except RuntimeError as e:
             fail(str(e))
     if json_path:

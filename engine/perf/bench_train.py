@@ -90,8 +90,9 @@ from torch import nn
 from engine.data.datum import datum_to_array, parse_datum
 from engine.data.lmdb_source import open_db
 torch.set_num_threads(1)
-rank, world, iters, port, db = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=world)
+rank, world, iters, port, db, master = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]),
+                                        sys.argv[4], sys.argv[5], sys.argv[6])
+dist.init_process_group("gloo", init_method=f"tcp://{{master}}:{{port}}", rank=rank, world_size=world)
 torch.manual_seed(1)
 model = {model}
 ddp = nn.parallel.DistributedDataParallel(model)
@@ -129,9 +130,69 @@ def one_thread_env() -> dict[str, str]:
     return env
 
 
+class Loopback:
+    """Where the processes of one run live: this machine, on 127.0.0.1."""
+
+    def __init__(self, workers: int) -> None:
+        self.addresses = ["127.0.0.1"] * workers
+        self.base = free_base_port(max(workers, 1))
+
+    def port(self, i: int) -> int:
+        return self.base + 2 * i
+
+    def start(self, rank: int, argv: list[str], **popen: Any) -> subprocess.Popen:
+        return subprocess.Popen(argv, start_new_session=True, **popen)
+
+    def __enter__(self) -> "Loopback":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+class Emulated:
+    """Where the processes of one run live: one network namespace per worker, each link
+    shaped to ``bits_per_s`` each way (engine/perf/netns.py; needs root)."""
+
+    def __init__(self, workers: int, bits_per_s: float) -> None:
+        from .netns import EmulatedCluster
+
+        self.cluster = EmulatedCluster(workers, bits_per_s)
+        self.addresses = self.cluster.addresses
+
+    def port(self, i: int) -> int:
+        return 29500
+
+    def start(self, rank: int, argv: list[str], **popen: Any) -> subprocess.Popen:
+        return self.cluster.run(rank, argv, **popen)
+
+    def __enter__(self) -> "Emulated":
+        self.cluster.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.cluster.__exit__(*exc)
+
+
+def _wait_all(procs: list[subprocess.Popen], what: str) -> list[tuple[str, str]]:
+    try:
+        outs = [p.communicate(timeout=900) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"{what} failed: " + " | ".join(
+            e.strip().splitlines()[-1] for _, e in outs if e.strip()))
+    return outs
+
+
 def run_poseidon(work: Path, db: Path, workers: int, variant: str, iters: int,
-                 net: str = "fc") -> dict[str, Any]:
-    """One training run; ``variant`` is a scheme and maybe train options ('ring:--fusion-mb=4')."""
+                 net: str = "fc", bits_per_s: float | None = None) -> dict[str, Any]:
+    """One training run; ``variant`` is a scheme and maybe train options ('ring:--fusion-mb=4').
+    Each rank is started on its own (in its namespace with ``bits_per_s``) with a fresh key."""
+    from engine.comm.auth import KEY_ENV, key_hex, new_key
+
     from .cluster import split_variant
 
     comm, extra = split_variant(variant)
@@ -141,15 +202,20 @@ def run_poseidon(work: Path, db: Path, workers: int, variant: str, iters: int,
     (d / "solver.prototxt").write_text(SOLVER.format(iters=iters, display=max(iters // 6, 1)))
     cmd = [sys.executable, "-m", "poseidon_cli.main", "train", "--solver", str(d / "solver.prototxt")]
     stats = d / "stats.json"
-    if workers > 1:
-        base = free_base_port(workers)
-        (d / "hosts").write_text("".join(f"127.0.0.1:{base + 2 * i}\n" for i in range(workers)))
-        cmd += ["--hosts", str(d / "hosts"), "--comm", comm, "--stats", str(stats), *extra]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=one_thread_env(),
-                          timeout=900)
-    if done.returncode != 0:
-        raise RuntimeError(f"poseidon P={workers} {variant}: {done.stderr.strip().splitlines()[-1:]}")
-    rates = [float(m) for m in re.findall(r"Iteration \d+ \(([\d.e+-]+) iter/s", done.stderr)]
+    env = {**one_thread_env(), KEY_ENV: key_hex(new_key())}
+    place = Emulated(workers, bits_per_s) if bits_per_s and workers > 1 else Loopback(workers)
+    with place:
+        if workers > 1:
+            (d / "hosts").write_text("".join(f"{a}:{place.port(i)}\n"
+                                             for i, a in enumerate(place.addresses)))
+            cmd += ["--hosts", str(d / "hosts"), "--comm", comm, *extra]
+        procs = [place.start(r, cmd + (["--rank", str(r)] if workers > 1 else [])
+                             + (["--stats", str(stats)] if workers > 1 and r == 0 else []),
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env) for r in range(workers)]
+        outs = _wait_all(procs, f"poseidon P={workers} {variant}")
+    log = outs[0][1]
+    rates = [float(m) for m in re.findall(r"Iteration \d+ \(([\d.e+-]+) iter/s", log)]
     rates = rates[2:] or rates  # skip the start-up windows
     ips = statistics.median(rates) if rates else float("nan")
     out: dict[str, Any] = {"net": net, "workers": workers, "comm": variant if workers > 1 else "-",
@@ -164,21 +230,16 @@ def run_poseidon(work: Path, db: Path, workers: int, variant: str, iters: int,
     return out
 
 
-def run_ddp(db: Path, workers: int, iters: int, net: str = "fc") -> dict[str, Any]:
-    port = str(free_base_port(1))
+def run_ddp(db: Path, workers: int, iters: int, net: str = "fc",
+            bits_per_s: float | None = None) -> dict[str, Any]:
     code = _DDP_CHILD.format(model=NETS[net][1], batch=BATCH)
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(workers), str(iters), port,
-                               str(db)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=one_thread_env()) for r in range(workers)]
-    try:
-        outs = [p.communicate(timeout=900) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(p.returncode for p in procs):
-        raise RuntimeError("DDP failed: " + " | ".join(e.strip().splitlines()[-1] for _, e in outs
-                                                       if e.strip()))
+    place = Emulated(workers, bits_per_s) if bits_per_s and workers > 1 else Loopback(workers)
+    with place:
+        procs = [place.start(r, [sys.executable, "-c", code, str(r), str(workers), str(iters),
+                                 str(place.port(0) + 1), str(db), place.addresses[0]],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=one_thread_env()) for r in range(workers)]
+        outs = _wait_all(procs, "DDP")
     ips = json.loads(outs[0][0].strip().splitlines()[-1])["iter_per_s"]
     return {"net": net, "workers": workers, "iter_per_s": ips,
             "images_per_s": ips * BATCH * workers}
@@ -186,24 +247,26 @@ def run_ddp(db: Path, workers: int, iters: int, net: str = "fc") -> dict[str, An
 
 def run(workers: list[int], comms: list[str], iters: int, work: Path, with_ddp: bool,
         say: Callable[[str], None] = print, nets: tuple[str, ...] = ("fc",),
-        repeats: int = 1) -> dict[str, Any]:
+        repeats: int = 1, bits_per_s: float | None = None) -> dict[str, Any]:
     """Every (net, P) runs DDP and each scheme ``repeats`` times, alternating; the rates are
-    the medians of the repeats."""
+    the medians of the repeats. With ``bits_per_s`` every worker of both runs in a network
+    namespace of its own, its link shaped to that rate each way."""
     from engine.data.converters import convert_digits
 
     convert_digits(work / "digits")
     db = work / "digits" / "digits_train_lmdb"
     results: dict[str, Any] = {"batch_per_worker": BATCH, "iters": iters, "repeats": repeats,
+                               "link_bits_per_s": bits_per_s,
                                "cpu_count": os.cpu_count(), "poseidon": [], "ddp": []}
     for net in nets:
         for n in workers:
             runs: dict[str, list[dict[str, Any]]] = {}
             for k in range(repeats):  # alternate: DDP, then each scheme, then again
                 if with_ddp:
-                    runs.setdefault("ddp", []).append(run_ddp(db, n, iters, net))
+                    runs.setdefault("ddp", []).append(run_ddp(db, n, iters, net, bits_per_s))
                 for comm in (comms if n > 1 else ["-"]):
                     runs.setdefault(comm, []).append(
-                        run_poseidon(work / f"r{k}", db, n, comm, iters, net))
+                        run_poseidon(work / f"r{k}", db, n, comm, iters, net, bits_per_s))
             ddp = _median_run(runs["ddp"]) if with_ddp else None
             if ddp:
                 results["ddp"].append(ddp)
