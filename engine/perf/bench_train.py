@@ -92,7 +92,9 @@ from engine.data.lmdb_source import open_db
 torch.set_num_threads(1)
 rank, world, iters, port, db, master = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]),
                                         sys.argv[4], sys.argv[5], sys.argv[6])
-dist.init_process_group("gloo", init_method=f"tcp://{{master}}:{{port}}", rank=rank, world_size=world)
+import datetime
+dist.init_process_group("gloo", init_method=f"tcp://{{master}}:{{port}}", rank=rank,
+                        world_size=world, timeout=datetime.timedelta(seconds=120))
 torch.manual_seed(1)
 model = {model}
 ddp = nn.parallel.DistributedDataParallel(model)
@@ -164,7 +166,10 @@ class Emulated:
         return 29500
 
     def start(self, rank: int, argv: list[str], **popen: Any) -> subprocess.Popen:
-        return self.cluster.run(rank, argv, **popen)
+        # gloo listens on the interface it is told (by default the host name's address,
+        # which another namespace cannot reach)
+        env = {**popen.pop("env", os.environ), "GLOO_SOCKET_IFNAME": f"{self.cluster.tag}n{rank}"}
+        return self.cluster.run(rank, argv, env=env, **popen)
 
     def __enter__(self) -> "Emulated":
         self.cluster.__enter__()
@@ -176,7 +181,9 @@ class Emulated:
 
 def _wait_all(procs: list[subprocess.Popen], what: str) -> list[tuple[str, str]]:
     try:
-        outs = [p.communicate(timeout=900) for p in procs]
+        outs = [p.communicate(timeout=600) for p in procs]
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{what}: still running after 600 s") from None
     finally:
         for p in procs:
             if p.poll() is None:
