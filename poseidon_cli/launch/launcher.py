@@ -124,6 +124,14 @@ def run_managed(config: JobConfig, placement: Placement) -> None:
                         f"machine, but --gpus {','.join(map(str, gpus))} pins one worker to "
                         f"each of {len(gpus)} GPUs")
     entries = meet(placement, key, config.timeout)
+    if placement.rank == 0:
+        from engine import glog
+        from engine.comm.hosts import machines
+        counts = [len(m) for m in machines(entries)]
+        host, port = placement.master or ("?", 0)
+        glog.info(f"Rendezvous ({placement.manager}) at {host}:{port}: "
+                  f"{len(entries)} workers on {len(counts)} machines "
+                  f"({', '.join(map(str, counts))} workers)")
     if config.pin_gpus and gpus is not None:
         from .tables import check_pinned
         check_pinned(entries, gpus)

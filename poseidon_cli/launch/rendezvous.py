@@ -40,9 +40,6 @@ JOIN_BYTES = 4096
 TABLE_BYTES_PER_WORKER = 256
 NONCE_BYTES = 16
 _POLL_MS = 100
-#: a worker waits this much longer than rank 0, so that rank 0's message naming who is
-#: missing reaches it first
-ANSWER_SLACK_S = 5.0
 
 
 class Rendezvous:
@@ -110,9 +107,23 @@ class Rendezvous:
         except CommError as e:
             for ident, nonce in tell:
                 self._send(ident, {"kind": "abort", "nonce": nonce, "reason": str(e)})
+            self._tell_latecomers(str(e), deadline)
         finally:
             self._sock.close()
             self._ctx.term()
+
+    def _tell_latecomers(self, reason: str, deadline: float) -> None:
+        """The job cannot start: until the deadline (or rank 0 stops it), answer every JOIN
+        of this job that still comes, rank 0's own included, with why."""
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            if not self._sock.poll(_POLL_MS):
+                continue
+            frames = self._sock.recv_multipart()
+            if len(frames) != 3 or isinstance(self._verifier.verify(frames[1:2], frames[2]), str):
+                continue
+            nonce = _nonce_of(frames[1])
+            if nonce is not None:
+                self._send(frames[0], {"kind": "abort", "nonce": nonce, "reason": reason})
 
     def _receive(self, frames: list[bytes], tell: list[tuple[bytes, str]]) -> None:
         if len(frames) != 3:
@@ -265,7 +276,9 @@ def meet(placement: Placement, key: bytes, timeout: float) -> list[HostEntry]:
     try:
         me = own_address(host, port)
         base, held = reserve_ports(1, "0.0.0.0", avoid=frozenset({port}))
-        wait = timeout + ANSWER_SLACK_S if server else 2 * timeout + ANSWER_SLACK_S
+        # longer than rank 0 waits, so that its message naming who is missing comes first
+        slack = 1.0 + timeout / 10
+        wait = timeout + slack if server else 2 * timeout + slack
         entries = _join(placement, key, wait, f"tcp://{target}:{port}", f"{host}:{port}", me,
                         base)
     except CommError as e:
