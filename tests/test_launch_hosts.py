@@ -109,3 +109,12 @@ def test_a_table_round_trips_as_json_and_a_bad_one_is_named():
         assert needle in str(e.value) and str(e.value).startswith("the table"), (needle, e.value)
     with pytest.raises(HostsError, match="not JSON"):
         table_from_json(b"\xff{", "t")
+
+
+def test_the_example_of_two_machines_with_four_gpus():
+    from engine.comm.hosts import parse_hosts
+    from tests.test_comm_train import ROOT
+
+    entries = parse_hosts(ROOT / "models" / "hosts" / "two_machines_4gpus.txt")
+    assert [[(e.host, e.port) for e in m] for m in machines(entries)] == [
+        [(host, 9000 + 2 * i) for i in range(4)] for host in ("192.0.2.10", "192.0.2.11")]

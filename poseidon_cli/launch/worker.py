@@ -3,9 +3,11 @@
 It starts its node's PS shard server as a child process, builds the Solver with
 ``RunContext(rank, P)``, meets every peer at the start-up barrier, prints the plan (rank 0),
 trains with the DWBP syncer attached, and finally says BYE. The launcher starts it as
-``python -m poseidon_cli.launch.worker --rank N [--gpu G] --config JSON``; a worker started by
-hand (`poseidon train ... --rank N`, or by a cluster manager) runs ``run_worker`` in the CLI's
-process. Its shard gets the host table on its standard input.
+``python -m poseidon_cli.launch.worker --rank N [--gpu G] --config JSON`` with the host table on
+its standard input (a PyTorchJob pod starts it without ``--rank``: it meets the others at the
+rendezvous); a worker started by hand (`poseidon train ... --rank N`) or by a cluster manager
+(`srun poseidon train ...`) runs ``run_worker`` in the CLI's process. Its shard gets the table
+on its standard input too.
 """
 from __future__ import annotations
 
