@@ -142,24 +142,15 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
     effects = {"SIGINT": sigint_effect, "SIGTERM": sigint_effect, "SIGHUP": sighup_effect}
     if nproc is not None and (hosts is not None or rank is not None):
         fail("-n starts local workers on free ports: give -n or --hosts/--rank, not both")
-    if host_list is not None and (hosts is not None or nproc is not None):
-        fail("-H lists the machines as a hosts file does: give -H, --hosts or -n, not two")
     pinned = tuple(gpus or ()) if pin is not None else None
-    if pinned is not None and nproc not in (None, len(pinned)):
-        fail(f"--gpus {pin} starts one worker per GPU: -n {nproc} disagrees (leave it out)")
-    from .launch.managers import Placement, detect
-    with user_errors():  # a cluster manager's variables, where no table or rank is given
-        managed = detect(os.environ) if (hosts, host_list, rank) == (None, None, None) else None
-    if isinstance(managed, Placement) and (managed.world == 1 or nproc is not None):
-        managed = None  # a job of one is trained as Caffe would; -n says where the workers are
-    if pinned is not None and hosts is None and host_list is None \
-            and not isinstance(managed, Placement):
-        nproc = len(pinned)  # --gpus alone (or on a PyTorchJob node): one worker per GPU
+    from .launch.managers import place_run
+    with user_errors():
+        managed, nproc = place_run(os.environ, hosts, host_list, nproc, rank, pinned)
     if hosts is not None or host_list is not None or nproc is not None or managed is not None:
         from .launch import launcher
         from .launch.config import JobConfig
-        source = (hosts or (host_list and f"-H {host_list}") or (managed and f"{managed.manager} "
-                  "job") or f"-n {nproc}")
+        source = hosts or (f"-H {host_list}" if host_list else f"{managed.manager} job"
+                           if managed else f"-n {nproc}")
         with user_errors():
             config = JobConfig(solver=solver, hosts=source, comm=comm, wire=wire,
                                fusion_mb=fusion_mb, fusion_ms=fusion_ms, link=link,

@@ -166,3 +166,15 @@ def test_ssh_launch_hands_the_job_key_over_stdin(tmp_path, monkeypatch):
     assert "--rank 1" in args and "--rank 0" not in args
     assert f"read -r {KEY_ENV}" in args and not re.search(r"[0-9a-f]{64}", args)
     assert (tmp_path / "ssh_iter_5.caffemodel").is_file()
+
+
+def test_a_managers_rank_is_the_rank_in_the_hosts_file(tmp_path, monkeypatch):
+    """`srun poseidon train --hosts H`: SLURM's size must be the file's."""
+    from poseidon_cli.launch.launcher import start
+
+    hosts = tmp_path / "h"
+    hosts.write_text("127.0.0.1:23000 slots=2\n")
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    with pytest.raises(CommError, match=f"SLURM started 4 workers, but {hosts} lists 2$"):
+        start(JobConfig("s", str(hosts)), None, str(hosts), None, None, None, "local")

@@ -5,7 +5,7 @@ import pytest
 
 from poseidon_cli.launch.managers import (DEFAULT_MASTER_PORT, ManagerError, NodePlacement,
                                           Placement, derived_port, detect, expand_nodelist,
-                                          tasks_per_node)
+                                          place_run, tasks_per_node)
 from tests.test_comm_train import poseidon
 
 
@@ -120,3 +120,21 @@ def test_a_wrong_variable_is_one_line_from_the_cli(tmp_path, monkeypatch):
     assert done.returncode == 1
     assert done.stderr.strip() == ("poseidon: error: SLURM_PROCID=4 is out of range: "
                                    "SLURM_NTASKS=4 (ranks 0..3)")
+
+
+def test_how_a_run_is_placed():
+    pod = {"PET_NNODES": "2", "PET_NODE_RANK": "0", "PET_NPROC_PER_NODE": "auto",
+           "MASTER_ADDR": "m", "MASTER_PORT": "23456"}
+    assert place_run({}, None, None, None, None, None) == (None, None)  # one process, as Caffe
+    assert place_run({}, None, None, None, None, (0, 1)) == (None, 2)  # --gpus alone: -n 2
+    assert place_run(srun(1), None, None, None, None, None)[0].rank == 1
+    assert place_run(srun(1), None, None, 3, None, None) == (None, 3)  # -n says where
+    assert place_run(srun(1), "h.txt", None, None, None, None) == (None, None)  # the file says
+    assert place_run(srun(0, SLURM_NTASKS="1", SLURM_STEP_TASKS_PER_NODE="1",
+                          SLURM_STEP_NODELIST="a"), None, None, None, None, None) == (None, None)
+    node, nproc = place_run(pod, None, None, None, None, (0, 1, 2, 3))
+    assert isinstance(node, NodePlacement) and nproc == 4
+    with pytest.raises(ManagerError, match="give -H, --hosts or -n, not two"):
+        place_run({}, None, "a:2", 2, None, None)
+    with pytest.raises(ManagerError, match=r"--gpus starts one worker per GPU \(2\): -n 3"):
+        place_run({}, None, None, 3, None, (0, 1))

@@ -87,19 +87,23 @@ def start(config: JobConfig, managed: Placement | NodePlacement | None, hosts: s
     else:
         from .tables import resolve
         pinned = config.gpus if config.pin_gpus else None
-        run(config, resolve(hosts, host_list, nproc, pinned), rank, launch)
+        entries = resolve(hosts, host_list, nproc, pinned)
+        # `srun poseidon train --hosts H`: the manager's rank is the rank in the file (-H and
+        # -n probe their ports: only a launcher that starts every worker can hand them out)
+        if rank is None and hosts is not None and (found := rank_from_env(os.environ)):
+            rank, world, manager = found
+            if world is not None and world != len(entries):
+                raise CommError(f"{manager} started {world} workers, but {hosts} lists "
+                                f"{len(entries)}")
+        run(config, entries, rank, launch)
 
 
 def run(config: JobConfig, entries: list[HostEntry], rank: int | None = None,
         launch: str = "local") -> None:
-    """What `poseidon train --hosts H` (-H, -n) does; raises CommError with a one-line message."""
+    """Start and supervise the table's workers, or be worker ``rank``; raises CommError with a
+    one-line message."""
     if launch not in ("local", "ssh"):
         raise CommError(f"--launch must be 'local' or 'ssh', got {launch!r}")
-    if rank is None and (found := rank_from_env(os.environ)) is not None:
-        rank, world, manager = found
-        if world is not None and world != len(entries):
-            raise CommError(f"{manager} started {world} workers, but {config.hosts} lists "
-                            f"{len(entries)}")
     if rank is None:
         launch_all(config, entries, launch)
         return

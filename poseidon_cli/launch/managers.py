@@ -88,6 +88,27 @@ def detect(environ: Mapping[str, str], hostname: str | None = None
     return None
 
 
+def place_run(environ: Mapping[str, str], hosts: str | None, host_list: str | None,
+              nproc: int | None, rank: int | None, pinned: tuple[int, ...] | None
+              ) -> tuple[Placement | NodePlacement | None, int | None]:
+    """How `poseidon train` runs: (the manager's place, when no table and no rank are given and
+    one started this process; the local worker count, for -n, --gpus alone or a PyTorchJob pod).
+    Neither: one process, as Caffe. Conflicting options raise ManagerError."""
+    if host_list is not None and (hosts is not None or nproc is not None):
+        raise ManagerError("-H lists the machines as a hosts file does: give -H, --hosts or -n, "
+                           "not two")
+    if pinned is not None and nproc not in (None, len(pinned)):
+        raise ManagerError(f"--gpus starts one worker per GPU ({len(pinned)}): -n {nproc} "
+                           "disagrees (leave it out)")
+    managed = detect(environ) if (hosts, host_list, rank) == (None, None, None) else None
+    if isinstance(managed, Placement) and (managed.world == 1 or nproc is not None):
+        managed = None  # a job of one is trained as Caffe would; -n says where the workers are
+    if pinned is not None and hosts is None and host_list is None \
+            and not isinstance(managed, Placement):
+        nproc = len(pinned)  # --gpus alone (or on a PyTorchJob pod): one worker per GPU
+    return managed, nproc
+
+
 def rank_from_env(environ: Mapping[str, str]) -> tuple[int, int | None, str] | None:
     """(rank, the job's size if the manager says, the manager) for a process started with a
     hosts file: its rank in that file is the manager's rank."""
