@@ -194,3 +194,23 @@ def test_a_dead_local_worker_stops_the_job_naming_machine_and_worker(digits_db, 
     finally:
         kill_all(pids)
         stop(procs)
+
+
+@pytest.mark.parametrize("manager", ["srun", "pytorchjob"])
+def test_sigterm_from_the_manager_snapshots_once_and_exits_0(manager, digits_db, tmp_path):  # noqa: F811
+    """scancel / a pod's deletion: SIGTERM to every task (srun), or to each pod's first
+    process, which passes it on. Every worker stops at one iteration; one snapshot."""
+    envs, _ = MANAGERS[manager][0]()
+    solver = write_run(tmp_path, digits_db, BATCH, "long", iters=100000, display=1)
+    logs = [tmp_path / f"p{i}.log" for i in range(len(envs))]
+    procs = start_all(envs, ["--solver", str(solver), "--timeout", "20"], logs)
+    try:
+        wait_for_line(logs[0], r"Iteration 3 ", procs)
+        for p in procs:
+            os.kill(p.pid, signal.SIGTERM)
+        for p, log in zip(procs, logs):
+            assert p.wait(timeout=60) == 0, log.read_text()[-2000:]
+    finally:
+        stop(procs)
+    assert "Optimization stopped early." in logs[0].read_text()
+    assert len(list(tmp_path.glob("long_iter_*.solverstate"))) == 1
