@@ -80,7 +80,7 @@ def peer_name(peer: PeerId, hosts: Sequence[HostEntry]) -> str:
     role, idx = peer
     if 0 <= idx < len(hosts):
         e = hosts[idx]
-        return f"{role} {idx} ({e.host}:{e.port if role == WORKER else e.shard_port})"
+        return f"{role} {idx} ({e.label(e.port if role == WORKER else e.shard_port)})"
     return f"{role} {idx}"
 
 

@@ -22,6 +22,7 @@ SIGNAL_ACTIONS = ("stop", "snapshot", "none")
 @dataclass(frozen=True)
 class JobConfig:
     solver: str
+    #: where the host table came from (a hosts file, "-H ...", "-n N", a manager), for messages
     hosts: str
     comm: str = "auto"
     timeout: float = 30.0
@@ -39,6 +40,8 @@ class JobConfig:
     snapshot: str | None = None
     #: the GPUs each machine's workers take round robin (None: the CPU)
     gpus: tuple[int, ...] | None = None
+    #: --gpus: local worker i of every machine takes gpus[i] (one worker per GPU)
+    pin_gpus: bool = False
     stats: str | None = None
     #: SIGINT / SIGTERM / SIGHUP -> stop | snapshot | none (Caffe's -sigint_effect...)
     signal_effects: dict[str, str] = field(default_factory=dict)
@@ -108,6 +111,7 @@ def _check(name: str, value: Any) -> None:
         "fusion_mb": _number(value),
         "fusion_ms": _number(value),
         "priority": isinstance(value, bool),
+        "pin_gpus": isinstance(value, bool),
         "chunk_bytes": isinstance(value, int) and not isinstance(value, bool),
         "weights": isinstance(value, list) and all(isinstance(v, str) for v in value),
         "gpus": value is None or (isinstance(value, list) and all(

@@ -3,12 +3,16 @@
 It starts its node's PS shard server as a child process, builds the Solver with
 ``RunContext(rank, P)``, meets every peer at the start-up barrier, prints the plan (rank 0),
 trains with the DWBP syncer attached, and finally says BYE. The launcher starts it as
-``python -m poseidon_cli.launch.worker --rank N [--gpu G] --config JSON``; a worker started by
-hand (`poseidon train ... --rank N`) runs ``run_worker`` in the CLI's process.
+``python -m poseidon_cli.launch.worker --rank N [--gpu G] --config JSON`` with the host table on
+its standard input (a PyTorchJob pod starts it without ``--rank``: it meets the others at the
+rendezvous); a worker started by hand (`poseidon train ... --rank N`) or by a cluster manager
+(`srun poseidon train ...`) runs ``run_worker`` in the CLI's process. Its shard gets the table
+on its standard input too.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +23,7 @@ from typing import Any
 from poseidon_cli.main import user_errors  # isort: skip
 
 from engine.comm.errors import CommError
-from engine.comm.hosts import HostEntry, is_local, local_addresses
+from engine.comm.hosts import HostEntry, is_local, local_addresses, table_json, table_from_json
 
 from ..progress import ProgressBar
 from ..signals import signal_requests
@@ -95,9 +99,14 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
         from engine.perf import timeline as tl
         tl.start(config.timeline, f"worker {rank}", f"worker{rank}")
     max_frame = frame_limit(slots, world, config.chunk_bytes)
-    shard = subprocess.Popen(shard_command(rank, config.hosts, config.timeout, max_frame,
-                                           config.timeline),
-                             stderr=subprocess.PIPE, env=shard_env(key))
+    shard = subprocess.Popen(shard_command(rank, config.timeout, max_frame, config.timeline),
+                             stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=shard_env(key))
+    assert shard.stdin is not None
+    try:
+        shard.stdin.write((table_json(entries) + "\n").encode())
+        shard.stdin.close()
+    except BrokenPipeError:  # it died at once; its error line comes through the relay
+        pass
     shard_errors: list[str] = []
     ep = None
 
@@ -174,18 +183,28 @@ def plan_for(net: Any, infos: list[Any], world: int, config: JobConfig, link: An
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m poseidon_cli.launch.worker")
-    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--rank", type=int, default=None,
+                    help="this worker's rank in the host table on standard input (without it: "
+                    "the rank from the manager's variables, the table from the rendezvous)")
     ap.add_argument("--gpu", type=int, default=None)
     ap.add_argument("--config", required=True, help="the job's JobConfig as JSON")
     args = ap.parse_args(argv)
-    from engine.comm.hosts import parse_hosts
 
     with user_errors():
         config = JobConfig.from_json(args.config)
-        entries = parse_hosts(config.hosts)
+        if args.rank is None:
+            from .launcher import run_managed
+            from .managers import Placement, detect
+            placement = detect(os.environ)
+            if not isinstance(placement, Placement):
+                raise CommError("a worker without --rank takes its place from a cluster "
+                                "manager's variables (RANK, WORLD_SIZE, ...): none are set")
+            run_managed(config, placement)
+            return
+        entries = table_from_json(sys.stdin.readline(), "the host table on standard input")
         if not 0 <= args.rank < len(entries):
             raise CommError(f"--rank {args.rank} out of range: {config.hosts} lists "
-                            f"{len(entries)} hosts")
+                            f"{len(entries)} workers")
         run_worker(config, entries, args.rank, args.gpu)
 
 
