@@ -72,9 +72,14 @@ def solver_gpu(solver: str) -> list[int] | None:
               "file).")
 @click.option("--rank", type=int, default=None,
               help="This process's rank in the hosts file (default: launch the local entries).")
-@click.option("--comm", type=click.Choice(COMM_MODES), default="auto", show_default=True, help="Gradient communication per layer: the "
-              "fastest of PS, SFB and ring by the cost model (auto), Poseidon's PS/SFB choice "
-              "by bytes (hybrid), or one scheme wherever the layer allows it.")
+@click.option("--comm", default="auto", show_default=True, metavar="MODE[,LAYER=SCHEME...]",
+              help=f"Gradient communication per layer ({'|'.join(COMM_MODES)}): the fastest of "
+              "the schemes by the cost model (auto), Poseidon's PS/SFB choice by bytes "
+              "(hybrid), or one scheme wherever the layer allows it; then layers given a "
+              "scheme by name (ip1=sfb).")
+@click.option("--levels/--no-levels", default=True, show_default=True,
+              help="With several workers per machine, reduce inside each machine first and send "
+              "one copy per machine (--no-levels: every worker a node of its own).")
 @click.option("--wire", type=click.Choice(list(CODECS)), default="fp32", show_default=True,
               help="Gradients on the wire: float32, or float16 (half the bytes; sums in "
               "float32; an overflow skips that layer's update and halves its scale).")
@@ -120,7 +125,7 @@ def solver_gpu(solver: str) -> list[int] | None:
 def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | None,
           pin: str | None, hosts: str | None, host_list: str | None, nproc: int | None,
           rank: int | None, comm: str, wire: str,
-          fusion_mb: float, fusion_ms: float, link: str | None, priority: bool,
+          fusion_mb: float, fusion_ms: float, link: str | None, priority: bool, levels: bool,
           key_file: str | None, launch: str, stats: str | None,
           timeout: float, chunk_bytes: int, sigint_effect: str, sighup_effect: str,
           replay: str | None, time_scale: float, log_dir: str | None,
@@ -156,7 +161,7 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
         with user_errors():
             config = JobConfig(solver=solver, hosts=source, comm=comm, wire=wire,
                                fusion_mb=fusion_mb, fusion_ms=fusion_ms, link=link,
-                               priority=priority, timeout=timeout,
+                               priority=priority, levels=levels, timeout=timeout,
                                chunk_bytes=chunk_bytes, weights=tuple(weight_files),
                                snapshot=snapshot, gpus=tuple(gpus) if gpus is not None else None,
                                pin_gpus=pinned is not None,

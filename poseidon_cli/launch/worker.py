@@ -80,8 +80,8 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
     stats = CommStats()
     stats.extra.update(rank=rank, world_size=world, comm=config.comm, wire=config.wire)
 
-    def make_plan(probed: Any) -> Any:  # rank 0's: every worker follows the plan it sends
-        plan = plan_for(solver.net, infos, world, config, probed,
+    def make_plan(probed: Any, local: Any) -> Any:  # rank 0's: every worker follows it
+        plan = plan_for(solver.net, infos, entries, config, probed, local,
                         allow_sfb=solver.param.iter_size == 1, on_gpu=gpu is not None)
         glog.info(plan_table(plan, world))
         glog.info(f"The losses and outputs below are rank 0's, over its {total // world} of the "
@@ -131,6 +131,7 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
                     glog.info(line)
 
         solver.attach_sync(Syncer(ep, slots, solver.update_layer, planner=make_plan, link=link,
+                                  levels=config.levels,
                                   chunk_bytes=config.chunk_bytes, priority=config.priority,
                                   on_round_done=report))
         with signal_requests(solver, config.signal_effects):
@@ -161,10 +162,12 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
                 tl.merge(config.timeline, expected=2 * sum(is_local(e, here) for e in entries))
 
 
-def plan_for(net: Any, infos: list[Any], world: int, config: JobConfig, link: Any,
-             allow_sfb: bool, on_gpu: bool) -> Any:
-    """Rank 0's plan for ``net`` on ``link``: this machine's probed speeds, and the backward
-    time of every layer estimated from its arithmetic (for --fusion-ms)."""
+def plan_for(net: Any, infos: list[Any], entries: list[Any], config: JobConfig, link: Any,
+             local_link: Any, allow_sfb: bool, on_gpu: bool) -> Any:
+    """Rank 0's plan for ``net`` on the network ``link`` (and ``local_link`` inside a machine):
+    this machine's probed speeds, and the backward time of every layer estimated from its
+    arithmetic (for --fusion-ms)."""
+    from engine.comm.topology import Topology
     from engine.comm.planner import make_plan
     from engine.comm.probe import probe_device
     from engine.perf.flops import DeviceSpeed, trace_from_flops
@@ -176,9 +179,11 @@ def plan_for(net: Any, infos: list[Any], world: int, config: JobConfig, link: An
         speed = DeviceSpeed(device.name, device.gemm_flops_per_s, device.add_bytes_per_s / 3)
         trace = trace_from_flops(facts_of(net, infos), speed)
         backward_s = [t.backward_ms / 1e3 for t in trace.layers]
-    return make_plan(infos, world, config.comm, allow_sfb, link, device, config.chunk_bytes,
-                     config.wire, int(config.fusion_mb * (1 << 20)), config.fusion_ms / 1e3,
-                     backward_s)
+    topo = Topology.of(entries, 0)
+    slots = topo.slots if config.levels and topo.two_level else 1
+    return make_plan(infos, len(entries), config.comm, allow_sfb, link, device,
+                     config.chunk_bytes, config.wire, int(config.fusion_mb * (1 << 20)),
+                     config.fusion_ms / 1e3, backward_s, slots=slots, local_link=local_link)
 
 
 def main(argv: list[str] | None = None) -> None:
