@@ -1,10 +1,8 @@
 """`poseidon train`: Caffe's `caffe train` — on one machine, or on many with --hosts."""
 from __future__ import annotations
 
-import contextlib
-import tempfile
+import os
 from pathlib import Path
-from typing import Iterator
 
 import click
 
@@ -14,22 +12,6 @@ from engine.comm.planner import COMM_MODES
 from .main import fail, user_errors
 
 from .launch.config import SIGNAL_ACTIONS  # Caffe's -sigint_effect / -sighup_effect values
-
-
-@contextlib.contextmanager
-def local_hosts(n: int | None) -> Iterator[str | None]:
-    """For ``-n N``: a hosts file of N workers on this machine's free ports, removed after the
-    run. Ports are probed at start, so two jobs on one machine do not collide."""
-    if n is None:
-        yield None
-        return
-    from engine.comm.hosts import free_base_port
-
-    with tempfile.TemporaryDirectory(prefix="poseidon-hosts-") as d:
-        path = Path(d) / "hosts.txt"
-        base = free_base_port(n)
-        path.write_text("".join(f"127.0.0.1:{base + 2 * i}\n" for i in range(n)))
-        yield str(path)
 
 
 def parse_gpus(text: str) -> list[int]:
@@ -78,16 +60,26 @@ def solver_gpu(solver: str) -> list[int] | None:
 @click.option("--gpu", default=None, metavar="N|N,M,..|all",
               help="Train on this GPU (needs CuPy); with --hosts, the local workers take the "
               "listed GPUs (or all) round robin.")
+@click.option("--gpus", "pin", default=None, metavar="N,M,..|all",
+              help="One worker per listed GPU on every machine (alone: on this machine).")
 @click.option("--hosts", default=None, type=click.Path(dir_okay=False),
-              help="Hosts file: train data-parallel on every host listed.")
+              help="Hosts file: train data-parallel on every host listed (a line may say "
+              "slots=N: N workers there).")
+@click.option("-H", "--host-list", default=None, metavar="HOST[:N],...",
+              help="Machines and their worker counts, as horovodrun's -H: host1:4,host2:4.")
 @click.option("-n", "--np", "--nproc-per-node", "nproc", type=click.IntRange(min=1), default=None,
               help="Train data-parallel on this many local workers, on free ports (no hosts "
               "file).")
 @click.option("--rank", type=int, default=None,
               help="This process's rank in the hosts file (default: launch the local entries).")
-@click.option("--comm", type=click.Choice(COMM_MODES), default="auto", show_default=True, help="Gradient communication per layer: the "
-              "fastest of PS, SFB and ring by the cost model (auto), Poseidon's PS/SFB choice "
-              "by bytes (hybrid), or one scheme wherever the layer allows it.")
+@click.option("--comm", default="auto", show_default=True, metavar="MODE[,LAYER=SCHEME...]",
+              help=f"Gradient communication per layer ({'|'.join(COMM_MODES)}): the fastest of "
+              "the schemes by the cost model (auto), Poseidon's PS/SFB choice by bytes "
+              "(hybrid), or one scheme wherever the layer allows it; then layers given a "
+              "scheme by name (ip1=sfb).")
+@click.option("--levels/--no-levels", default=True, show_default=True,
+              help="With several workers per machine, reduce inside each machine first and send "
+              "one copy per machine (--no-levels: every worker a node of its own).")
 @click.option("--wire", type=click.Choice(list(CODECS)), default="fp32", show_default=True,
               help="Gradients on the wire: float32, or float16 (half the bytes; sums in "
               "float32; an overflow skips that layer's update and halves its scale).")
@@ -131,8 +123,9 @@ def solver_gpu(solver: str) -> list[int] | None:
               help="Write Chrome trace events (Perfetto): layers, sends, sums, updates, per "
               "process and thread, merged across the ranks of this machine.")
 def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | None,
-          hosts: str | None, nproc: int | None, rank: int | None, comm: str, wire: str,
-          fusion_mb: float, fusion_ms: float, link: str | None, priority: bool,
+          pin: str | None, hosts: str | None, host_list: str | None, nproc: int | None,
+          rank: int | None, comm: str, wire: str,
+          fusion_mb: float, fusion_ms: float, link: str | None, priority: bool, levels: bool,
           key_file: str | None, launch: str, stats: str | None,
           timeout: float, chunk_bytes: int, sigint_effect: str, sighup_effect: str,
           replay: str | None, time_scale: float, log_dir: str | None,
@@ -148,25 +141,34 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
             fail(f"--weights: {w} not found")
     if snapshot and not Path(snapshot).is_file():
         fail(f"--snapshot: {snapshot} not found")
+    if gpu is not None and pin is not None:
+        fail("--gpu deals GPUs out round robin, --gpus pins one worker to each: give one")
     with user_errors():
-        gpus = parse_gpus(gpu) if gpu is not None else solver_gpu(solver)
+        gpus = parse_gpus(pin or gpu) if (pin or gpu) is not None else solver_gpu(solver)
     # SIGTERM (SLURM's and Kubernetes' notice before they kill) does what SIGINT does
     effects = {"SIGINT": sigint_effect, "SIGTERM": sigint_effect, "SIGHUP": sighup_effect}
     if nproc is not None and (hosts is not None or rank is not None):
         fail("-n starts local workers on free ports: give -n or --hosts/--rank, not both")
-    if hosts is not None or nproc is not None:
+    pinned = tuple(gpus or ()) if pin is not None else None
+    from .launch.managers import place_run
+    with user_errors():
+        managed, nproc = place_run(os.environ, hosts, host_list, nproc, rank, pinned)
+    if hosts is not None or host_list is not None or nproc is not None or managed is not None:
         from .launch import launcher
         from .launch.config import JobConfig
-        with user_errors(), local_hosts(nproc) as made:
-            config = JobConfig(solver=solver, hosts=made or hosts, comm=comm, wire=wire,
+        source = hosts or (f"-H {host_list}" if host_list else f"{managed.manager} job"
+                           if managed else f"-n {nproc}")
+        with user_errors():
+            config = JobConfig(solver=solver, hosts=source, comm=comm, wire=wire,
                                fusion_mb=fusion_mb, fusion_ms=fusion_ms, link=link,
-                               priority=priority, timeout=timeout,
+                               priority=priority, levels=levels, timeout=timeout,
                                chunk_bytes=chunk_bytes, weights=tuple(weight_files),
                                snapshot=snapshot, gpus=tuple(gpus) if gpus is not None else None,
+                               pin_gpus=pinned is not None,
                                stats=stats, signal_effects=effects, replay=replay,
                                time_scale=time_scale, timeline=timeline, log_dir=log_dir,
                                key_file=key_file)
-            launcher.run(config, rank, launch)
+            launcher.start(config, managed, hosts, host_list, nproc, rank, launch)
         return
     if key_file is not None:
         fail("--key-file authenticates the processes of a distributed run: give --hosts or -n")

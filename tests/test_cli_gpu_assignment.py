@@ -11,6 +11,7 @@ import pytest
 from engine.comm.hosts import parse_hosts_text
 from poseidon_cli.launch import launcher
 from poseidon_cli.launch.config import JobConfig
+from poseidon_cli.launch.tables import resolve
 from poseidon_cli.train_cmd import parse_gpus
 from tests.test_cli_caffe_habits import run
 
@@ -38,6 +39,7 @@ class FakeWorker:
         self.pid = 0
         self.returncode = 0
         self.stderr = io.BytesIO()  # read to its end by the launcher's error relay
+        self.stdin = io.BytesIO()  # the host table goes here
 
     def poll(self) -> int:
         return 0
@@ -53,7 +55,8 @@ def test_gpu_0_with_hosts_reaches_every_local_worker(tmp_path, monkeypatch):
     monkeypatch.setattr(launcher, "_signal_group", lambda p, sig: None)
     for gpu, want in (((0,), ["0", "0", "0"]), ((0, 1), ["0", "1", "0"])):
         FakeWorker.commands = []
-        launcher.run(JobConfig("s.prototxt", str(hosts), gpus=gpu))
+        launcher.run(JobConfig("s.prototxt", str(hosts), gpus=gpu),
+                     resolve(str(hosts), None, None, None))
         got = [cmd[cmd.index("--gpu") + 1] for cmd in FakeWorker.commands]
         ranks = [cmd[cmd.index("--rank") + 1] for cmd in FakeWorker.commands]
         assert (ranks, got) == (["0", "1", "2"], want)

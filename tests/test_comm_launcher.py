@@ -12,14 +12,18 @@ from engine.comm.errors import CommError
 from engine.comm.hosts import parse_hosts_text
 from engine.comm.planner import plan_layers
 from poseidon_cli.launch.config import JobConfig
-from poseidon_cli.launch.launcher import rank_from_env, run, ssh_command, supervise, worker_command
+from poseidon_cli.launch.launcher import run, ssh_command, supervise, worker_command
+from poseidon_cli.launch.managers import rank_from_env
+from poseidon_cli.launch.tables import resolve
 
 
 def test_rank_from_the_environment():
     assert rank_from_env({}) is None
-    assert rank_from_env({"SLURM_PROCID": "3", "RANK": "1"}) == 3
-    assert rank_from_env({"OMPI_COMM_WORLD_RANK": "2"}) == 2
-    assert rank_from_env({"RANK": "0"}) == 0
+    assert rank_from_env({"SLURM_PROCID": "3", "SLURM_NTASKS": "4"}) == (3, 4, "SLURM")
+    # torchrun or mpirun inside a SLURM allocation: the per-process launcher's rank wins
+    assert rank_from_env({"SLURM_PROCID": "0", "RANK": "1"}) == (1, None, "torchrun")
+    assert rank_from_env({"OMPI_COMM_WORLD_RANK": "2"}) == (2, None, "Open MPI")
+    assert rank_from_env({"PMI_RANK": "0", "PMI_SIZE": "2"}) == (0, 2, "MPICH / Intel MPI")
     with pytest.raises(CommError, match="RANK='x'"):
         rank_from_env({"RANK": "x"})
 
@@ -55,9 +59,9 @@ def test_run_rejects_what_it_cannot_do(tmp_path):
     hosts = tmp_path / "h"
     hosts.write_text("127.0.0.1:23000\n")
     with pytest.raises(CommError, match="--rank 3 out of range"):
-        run(JobConfig("s", str(hosts)), rank=3)
+        run(JobConfig("s", str(hosts)), resolve(str(hosts), None, None, None), rank=3)
     with pytest.raises(CommError, match="cannot read hosts file"):
-        run(JobConfig("s", str(tmp_path / "missing")), rank=0)
+        resolve(str(tmp_path / "missing"), None, None, None)
 
 
 @pytest.mark.parametrize("text, needle", [
@@ -157,8 +161,20 @@ def test_ssh_launch_hands_the_job_key_over_stdin(tmp_path, monkeypatch):
     monkeypatch.delenv(KEY_ENV, raising=False)
     monkeypatch.setattr(launcher, "is_local", lambda e, local=None: e.rank == 0)
     config = JobConfig(str(solver), str(hosts), timeout=20.0)
-    launcher.run(config, launch="ssh")
+    launcher.run(config, resolve(str(hosts), None, None, None), launch="ssh")
     args = seen.read_text()
     assert "--rank 1" in args and "--rank 0" not in args
     assert f"read -r {KEY_ENV}" in args and not re.search(r"[0-9a-f]{64}", args)
     assert (tmp_path / "ssh_iter_5.caffemodel").is_file()
+
+
+def test_a_managers_rank_is_the_rank_in_the_hosts_file(tmp_path, monkeypatch):
+    """`srun poseidon train --hosts H`: SLURM's size must be the file's."""
+    from poseidon_cli.launch.launcher import start
+
+    hosts = tmp_path / "h"
+    hosts.write_text("127.0.0.1:23000 slots=2\n")
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    with pytest.raises(CommError, match=f"SLURM started 4 workers, but {hosts} lists 2$"):
+        start(JobConfig("s", str(hosts)), None, str(hosts), None, None, None, "local")

@@ -29,12 +29,16 @@ def grads(rank: int, rnd: int, shapes: dict) -> dict:
 
 
 def run(world: int, comm: str, rounds: int = 2, chunk_bytes: int = 64, fusion_bytes: int = 0,
-        wire: str = "fp32", shapes: dict = SHAPES, make_grads=grads) -> dict:
+        wire: str = "fp32", shapes: dict = SHAPES, make_grads=grads, hosts=None,
+        factors: dict | None = None, levels: bool = True) -> dict:
     """Train ``rounds`` rounds of synthetic gradients; per rank: every layer's mean gradient
-    per round as the update saw it, the skipped rounds, and the byte counters."""
-    hosts = local_hosts(world)
-    shards = comm in ("ps", "auto", "hybrid")
-    infos = [LayerInfo(l, f"l{l}", ss) for l, ss in shapes.items()]
+    per round as the update saw it, the skipped rounds, and the byte counters. ``hosts``: a
+    host table (default: ``world`` machines of one worker on loopback); ``factors``: layer ->
+    (K, M, N) for layers whose gradient is uᵀ·v of the generator's factors (SFB)."""
+    hosts = hosts or local_hosts(world)
+    factors = factors or {}
+    shards = comm in ("ps", "auto", "hybrid", "sfb")
+    infos = [LayerInfo(l, f"l{l}", ss, factors.get(l)) for l, ss in shapes.items()]
     results: dict = {}
     errors: list[str] = []
 
@@ -42,8 +46,13 @@ def run(world: int, comm: str, rounds: int = 2, chunk_bytes: int = 64, fusion_by
         try:
             blobs = {l: [SimpleNamespace(data=np.zeros(s, np.float32), diff=np.zeros(s, np.float32))
                          for s in ss] for l, ss in shapes.items()}
-            slots = {l: LayerSlot(l, f"l{l}", [ParamSlot(10 * l + j, f"l{l}/{j}", b, "other")
-                                               for j, b in enumerate(bl)])
+            g0: dict = {}
+            slots = {l: LayerSlot(l, f"l{l}", [ParamSlot(10 * l + j, f"l{l}/{j}", b,
+                                                         ("weight", "bias")[j] if l in factors
+                                                         else "other")
+                                               for j, b in enumerate(bl)],
+                                  (lambda l=l: g0["factors"][l]) if l in factors else None,
+                                  factors.get(l))
                      for l, bl in blobs.items()}
             seen: dict = {}
             done = {l: 0 for l in shapes}
@@ -53,15 +62,17 @@ def run(world: int, comm: str, rounds: int = 2, chunk_bytes: int = 64, fusion_by
                 done[layer] += 1
 
             ep = open_worker(rank, hosts, key=KEY, timeout=10, shards=shards)
-            sync = Syncer(ep, slots, update, chunk_bytes=chunk_bytes, planner=lambda link: make_plan(
-                infos, world, comm, link=link, chunk_bytes=chunk_bytes, codec=wire,
-                fusion_bytes=fusion_bytes))
+            sync = Syncer(ep, slots, update, chunk_bytes=chunk_bytes, levels=levels,
+                          planner=lambda link, local_link: make_plan(
+                              infos, world, comm, link=link, chunk_bytes=chunk_bytes, codec=wire,
+                              fusion_bytes=fusion_bytes))
             for rnd in range(rounds):
                 for l in shapes:
                     sync.wait(l)
                     for b in blobs[l]:  # the solver zeroes a layer's diffs before its forward
                         b.diff[...] = 0
                 g = make_grads(rank, rnd, shapes)
+                g0["factors"] = g.get("factors", {})
                 for l in sorted(shapes, reverse=True):
                     for b, d in zip(blobs[l], g[l]):
                         b.diff[...] = d

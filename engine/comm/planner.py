@@ -37,6 +37,8 @@ from .schemes.ps import DEFAULT_CHUNK_BYTES
 COMM_MODES = ("auto", "hybrid", *SCHEMES)
 #: a loopback-like link for planning when none is known (tests, simulate without --link)
 DEFAULT_LINK = Link(50e-6, 1 / 1.25e9, "default: 10 Gbit/s, 50 us")
+#: inside a machine, when no machine mate was probed
+DEFAULT_LOCAL_LINK = Link(20e-6, 1 / 5e9, "default: inside a machine, 40 Gbit/s, 20 us")
 
 
 def cost_ps_worker(params: int) -> float:
@@ -105,14 +107,37 @@ class LayerPlan:
         return t.bytes_sent + t.bytes_received
 
 
+def split_comm(text: str) -> tuple[str, dict[str, str]]:
+    """``--comm MODE[,LAYER=SCHEME...]``: the mode, and the layers given a scheme by name."""
+    mode, *rest = [t.strip() for t in str(text).split(",")]
+    overrides = {}
+    for item in rest:
+        layer, _, scheme = item.partition("=")
+        if not layer or scheme not in SCHEMES:
+            raise ValueError(f"--comm {text!r}: {item!r} is not LAYER=SCHEME with a scheme "
+                             f"of {', '.join(SCHEMES)}")
+        overrides[layer] = scheme
+    if mode not in COMM_MODES:
+        raise ValueError(f"--comm must be one of {', '.join(COMM_MODES)} (then LAYER=SCHEME "
+                         f"items), got {mode!r}")
+    return mode, overrides
+
+
 def plan_layers(layers: Sequence[LayerInfo], p1: int, comm: str = "auto",
                 allow_sfb: bool = True, link: Link | None = None, device: Device | None = None,
-                chunk_bytes: int = DEFAULT_CHUNK_BYTES, wire_itemsize: int = 4
-                ) -> list[LayerPlan]:
-    """One plan per layer. ``comm`` forces a scheme where the layer allows it."""
-    if comm not in COMM_MODES:
-        raise ValueError(f"--comm must be one of {', '.join(COMM_MODES)}, got {comm!r}")
+                chunk_bytes: int = DEFAULT_CHUNK_BYTES, wire_itemsize: int = 4,
+                slots: int = 1, local_link: Link | None = None) -> list[LayerPlan]:
+    """One plan per layer. ``comm`` (MODE[,LAYER=SCHEME...]) forces a scheme where the layer
+    allows it. ``slots`` workers per machine: dense schemes are priced in two levels, the
+    machine's own ``local_link`` around the network's ``link``."""
+    from .levels import timing as level_timing
+
+    comm, overrides = split_comm(comm)
+    unknown = set(overrides) - {info.name for info in layers}
+    if unknown:
+        raise ValueError(f"--comm: no layer with parameters named {', '.join(sorted(unknown))}")
     link = link or DEFAULT_LINK
+    local_link = local_link or DEFAULT_LOCAL_LINK
     device = device or Device()
     plans = []
     for info in layers:
@@ -121,7 +146,17 @@ def plan_layers(layers: Sequence[LayerInfo], p1: int, comm: str = "auto",
             if not scheme.applies(info) or (name == "sfb" and not allow_sfb):
                 continue
             itemsize = wire_itemsize if scheme.dense else info.itemsize
-            timings[name] = scheme.timing(info, p1, link, device, chunk_bytes, itemsize)
+            timings[name] = level_timing(scheme, info, p1, slots, link, local_link, device,
+                                         chunk_bytes, itemsize)
+        if info.name in overrides:
+            scheme = overrides[info.name]
+            if scheme not in timings:
+                raise ValueError(f"--comm {info.name}={scheme}: layer {info.name} cannot be "
+                                 f"synchronised by {scheme}" + (
+                                     " (iter_size > 1)" if info.factors else
+                                     " (no sufficient factors)"))
+            plans.append(LayerPlan(info, scheme, timings, p1, "given by name"))
+            continue
         if comm == "auto":
             scheme = min(timings, key=lambda s: timings[s].total_s)
             reason = "fastest"
@@ -154,6 +189,9 @@ class Plan:
     codec: str = "fp32"
     sparse_ratio: float = 0.0
     sparse_warmup: int = 0
+    #: workers per machine (two levels when > 1) and the link inside a machine
+    slots: int = 1
+    local_link: Link = DEFAULT_LOCAL_LINK
 
     def to_pb(self) -> pb.Plan:
         return pb.Plan(units=[pb.UnitPlan(layers=l, scheme=s) for l, s in self.units],
@@ -167,24 +205,30 @@ def make_plan(layers: Sequence[LayerInfo], world: int, comm: str = "auto",
               chunk_bytes: int = DEFAULT_CHUNK_BYTES, codec: str = "fp32",
               fusion_bytes: int = 0, fusion_s: float = float("inf"),
               backward_s: Sequence[float] | None = None, sparse_ratio: float = 0.0,
-              sparse_warmup: int = 0) -> Plan:
+              sparse_warmup: int = 0, slots: int = 1, local_link: Link | None = None) -> Plan:
     """Rank 0's plan: schemes per layer, then fusion buckets of consecutive dense layers.
 
     ``backward_s``: estimated backward seconds of every net layer (index = layer), for the
     ``fusion_s`` limit on how long a bucket's first layer may wait for its last."""
     link = link or DEFAULT_LINK
     wire = 2 if codec == "fp16" else 4
-    plans = plan_layers(layers, world, comm, allow_sfb, link, device, chunk_bytes, wire)
+    plans = plan_layers(layers, world, comm, allow_sfb, link, device, chunk_bytes, wire, slots,
+                        local_link)
     units = buckets([(p.info.layer, p.scheme, p.info.params * p.info.itemsize,
                       SCHEMES[p.scheme].dense) for p in plans],
                     fusion_bytes, fusion_s, backward_s)
-    return Plan(plans, units, link, codec, sparse_ratio, sparse_warmup)
+    return Plan(plans, units, link, codec, sparse_ratio, sparse_warmup, slots,
+                local_link or DEFAULT_LOCAL_LINK)
 
 
 def plan_table(plan: Plan | Sequence[LayerPlan], p1: int) -> str:
     """The plan as the text table rank 0 prints at start-up, with predicted times."""
     plans = plan.layers if isinstance(plan, Plan) else list(plan)
     head = f"Communication plan: {p1} workers, {p1} server shards"
+    if isinstance(plan, Plan) and plan.slots > 1:
+        head += (f"; {p1 // plan.slots} machines of {plan.slots}, reducing inside each machine "
+                 f"first (alpha {plan.local_link.alpha_s * 1e6:.1f} us, "
+                 f"{plan.local_link.bits_per_s / 1e9:.2f} Gbit/s: {plan.local_link.source})")
     if isinstance(plan, Plan):
         head += (f"; link alpha {plan.link.alpha_s * 1e6:.1f} us, "
                  f"{plan.link.bits_per_s / 1e9:.2f} Gbit/s ({plan.link.source}); "

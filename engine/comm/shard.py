@@ -41,6 +41,8 @@ class ShardServer:
         self.ep = Endpoint((SHARD, index), hosts, self.workers, key=key, timeout=timeout,
                            stats=stats, exit_grace=exit_grace, max_frame_bytes=max_frame_bytes)
         self._chunks: dict[tuple[int, int], Chunk] = {}
+        #: the workers that push each group's chunks, in the order their pushes are summed
+        self._groups: list[tuple[int, ...]] = [tuple(range(self.world))]
         self._next: dict[tuple[int, int], int] = {}
         self._pending: dict[tuple[int, int, int], tuple[float, dict[int, np.ndarray]]] = {}
         self._requests: dict[tuple[int, int, int], int] = {}  # signal bits of the pushes
@@ -55,6 +57,8 @@ class ShardServer:
             return f"unknown param {h.param} chunk {h.chunk} for shard {self.index}"
         if h.layer != chunk.layer or h.phase != chunk.phase:
             return f"vector {h.param} belongs to unit {chunk.layer}, not {h.layer}"
+        if msg.sender[1] not in self._groups[chunk.group]:
+            return f"worker {msg.sender[1]} does not push vector {h.param}"
         nxt = self._next[(h.param, h.chunk)]
         if h.round not in (nxt, nxt + 1):
             return f"param {h.param} chunk {h.chunk}: round {h.round}, expected {nxt}"
@@ -71,19 +75,21 @@ class ShardServer:
                 return
             got[h.sender] = msg.arrays[0]
             self._requests[key] = self._requests.get(key, 0) | h.request
-            if len(got) < self.world:
+            group = self._groups[self._chunks[(h.param, h.chunk)].group]
+            if len(got) < len(group):
                 return
             del self._pending[key]
             request = self._requests.pop(key)
             self._next[(h.param, h.chunk)] = h.round + 1
         tl = timeline.current
         start = tl.now()
-        total = got[0].astype(np.float32)
-        for r in range(1, self.world):  # rank order: the sum is the same whatever came first
+        wire = got[group[0]].dtype
+        total = got[group[0]].astype(np.float32)
+        for r in group[1:]:  # the group's order: the sum is the same whatever came first
             total += got[r]
-        if total.dtype != got[0].dtype:  # fp16 on the wire: the float32 sum rounded once
+        if total.dtype != wire:  # fp16 on the wire: the float32 sum rounded once
             with np.errstate(over="ignore", invalid="ignore"):
-                total = total.astype(got[0].dtype)
+                total = total.astype(wire)
             if not np.isfinite(total).all():
                 request |= OVERFLOW_BIT
         if tl.active:
@@ -92,7 +98,7 @@ class ShardServer:
             start = tl.now()
         out = header(pb.DATA, scheme="ps", op=SUM, round=h.round, layer=h.layer,
                      param=h.param, chunk=h.chunk, phase=h.phase, request=request)
-        self.ep.broadcast(self.workers, out, [total])
+        self.ep.broadcast([(WORKER, r) for r in group], out, [total])
         if tl.active:
             tl.complete(f"send sum p{h.param}c{h.chunk}", "send", start, {"round": h.round})
         self.ep.stats.note_round(h.layer, h.round)
@@ -103,6 +109,12 @@ class ShardServer:
         msgs = ep.wait_for([message_key(pb.LAYOUT, (WORKER, 0))], "the parameter layout")
         readies = ep.wait_for([message_key(pb.READY, w) for w in self.workers], "worker READY")
         layout = [Chunk.from_pb(c) for c in msgs[0].header.layout]
+        if msgs[0].header.groups:
+            self._groups = [tuple(g.ranks) for g in msgs[0].header.groups]
+        if any(c.group >= len(self._groups) or not set(self._groups[c.group]) <= set(range(
+                self.world)) for c in layout):
+            ep.fatal("the layout worker 0 sent names a group of workers that does not exist")
+            raise CommError(ep.error)
         digest = layout_digest(layout)
         for m in readies:
             if m.header.layout_digest != digest:
@@ -130,8 +142,9 @@ class ShardServer:
                         if now - t0 > ep.timeout]
             if late:
                 (param, chunk, rnd), got = late[0]
+                group = self._groups[self._chunks[(param, chunk)].group]
                 ep.timed_out(f"the push of vector {param} chunk {chunk} round {rnd}",
-                             [(WORKER, r) for r in range(self.world) if r not in got])
+                             [(WORKER, r) for r in group if r not in got])
                 ep.disarm()
                 raise CommError(ep.error)
             time.sleep(0.1)

@@ -37,7 +37,9 @@ from .planner import DEFAULT_LINK, Plan
 from .probe import probe_link
 from .schemes import SCHEMES, Scheme
 from .schemes.base import SNAPSHOT_BIT, STOP_BIT, LayerSlot, ParamSlot, Unit
-from .schemes.ps import DEFAULT_CHUNK_BYTES, PS, layout_digest
+from .schemes.ps import DEFAULT_CHUNK_BYTES, layout_digest
+from .levels import compose
+from .topology import Topology
 from .stats import CommStats, now
 from .transport import (HEADER_BYTES, HEADER_BYTES_PER_CHUNK, SHARD, WORKER, Endpoint, Message,
                         PeerId, header, message_key)
@@ -66,9 +68,10 @@ def open_worker(rank: int, hosts: Sequence[HostEntry], *, key: bytes, timeout: f
 
 def frame_limit(slots: Mapping[int, LayerSlot], world: int,
                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    """The largest frame a process of this job may send, whatever the plan: a PS chunk or a
-    ring sub-chunk (at most ``chunk_bytes`` and one value), a layer's factor (u or v), or a
-    header (LAYOUT lists every chunk). ZMQ_MAXMSGSIZE."""
+    """The largest frame a process of this job may send, whatever the plan: a PS chunk, a ring
+    or local sub-chunk (at most ``chunk_bytes`` and one value), every worker's factors of a
+    layer (SFB's leaders hand them down), or a header (LAYOUT lists every chunk).
+    ZMQ_MAXMSGSIZE."""
     biggest = chunk_bytes + 8
     chunks = 0
     for s in slots.values():
@@ -76,7 +79,7 @@ def frame_limit(slots: Mapping[int, LayerSlot], world: int,
         chunks += 2 * (math.ceil(nbytes / chunk_bytes) + world)  # values and a codec's index
         if s.factor_shape is not None:
             k, m, n = s.factor_shape
-            biggest = max(biggest, 8 * k * max(m, n))
+            biggest = max(biggest, 8 * world * k * max(m, n))
     return max(biggest, HEADER_BYTES + HEADER_BYTES_PER_CHUNK * chunks)
 
 
@@ -93,16 +96,20 @@ def config_digest(slots: Mapping[int, LayerSlot], chunk_bytes: int) -> bytes:
 class Syncer:
     """The per-layer gradient synchroniser a Solver drives (release / wait / wait_all / close).
 
-    ``planner(link) -> Plan`` is rank 0's (the others follow the plan it sends); ``link``, when
-    given, replaces the start-up probe. Construction runs the start-up barrier.
+    ``planner(link, local_link) -> Plan`` is rank 0's (the others follow the plan it sends):
+    the network link and the link inside a machine (None with one worker per machine);
+    ``link``, when given, replaces the network probe. Construction runs the start-up barrier.
     """
 
     def __init__(self, ep: Endpoint, layers: dict[int, LayerSlot],
                  update_layer: Callable[[int], None], *,
-                 planner: Callable[[Link], Plan] | None = None, link: Link | None = None,
+                 planner: Callable[[Link, Link | None], Plan] | None = None,
+                 link: Link | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, priority: bool = True,
                  on_round_done: Callable[[int], None] | None = None,
-                 on_plan: Callable[[Plan], None] | None = None) -> None:
+                 on_plan: Callable[[Plan], None] | None = None, levels: bool = True) -> None:
+        """``levels``: reduce inside each machine first when machines run several workers
+        (False: every worker a node of its own, as a flat run)."""
         self.ep = ep
         self.rank = ep.me[1]
         self.world = len(ep.hosts)
@@ -112,6 +119,8 @@ class Syncer:
         self.chunk_bytes = chunk_bytes
         self.priority = priority
         self.stats = ep.stats
+        self.topology = (Topology.of(ep.hosts, self.rank) if levels
+                         else Topology.flat(self.world, self.rank))
         self.codec: Codec = Codec()
         self.units: dict[int, Unit] = {}
         self.plan: pb.Plan | None = None
@@ -119,6 +128,8 @@ class Syncer:
         self._link = link
         self._on_plan = on_plan
         self._schemes: dict[str, Scheme] = {}
+        #: wire tag (Header.scheme) -> the scheme instance that checks and takes it
+        self._receivers: dict[str, Scheme] = {}
         self._unit_of: dict[int, Unit] = {}
         self._last_layer = min(layers) if layers else -1  # released last in a backward
         #: signal bits (SNAPSHOT | STOP) for the messages of the next round this worker sends
@@ -169,8 +180,8 @@ class Syncer:
         if self.rank == 0:
             if self._planner is None:
                 raise CommError("rank 0 needs a planner")
-            link = self._link or (probe_link(ep, (WORKER, 1)) if self.world > 1 else DEFAULT_LINK)
-            plan = self._planner(link)
+            link, local_link = self._probe()
+            plan = self._planner(link, local_link)
             if self._on_plan is not None:
                 self._on_plan(plan)
             plan_pb = plan.to_pb()
@@ -180,9 +191,10 @@ class Syncer:
             plan_pb = m.header.plan
         self._install(plan_pb)
         ps = self._schemes.get("ps")
-        layout = ps.layout if isinstance(ps, PS) else []
+        layout, groups = ps.shard_table() if ps is not None else ([], [])  # type: ignore[attr-defined]
         if self.rank == 0:
-            ep.broadcast(shards, header(pb.LAYOUT, layout=[c.to_pb() for c in layout]))
+            ep.broadcast(shards, header(pb.LAYOUT, layout=[c.to_pb() for c in layout],
+                                        groups=[pb.GroupSpec(ranks=g) for g in groups]))
         mine = hashlib.sha256(plan_pb.SerializeToString(deterministic=True)
                               + layout_digest(layout)).digest()
         ep.broadcast(others, header(pb.READY, layout_digest=mine))
@@ -191,6 +203,18 @@ class Syncer:
             if m.header.layout_digest != mine:
                 self._fail(f"{ep.name_of(m.sender)} installed a different plan")
         ep.wait_for([message_key(pb.READY, s) for s in shards], "shard READY")
+
+    def _probe(self) -> tuple[Link, Link | None]:
+        """Rank 0's links: to a worker on another machine (unless --link gave it), and to a
+        machine mate when machines run several workers."""
+        machines = self.topology.machines
+        link = self._link
+        if link is None:
+            link = probe_link(self.ep, (WORKER, machines[1][0])) if len(machines) > 1 \
+                else DEFAULT_LINK
+        mates = self.topology.local
+        local = probe_link(self.ep, (WORKER, mates[1])) if len(mates) > 1 else None
+        return link, local
 
     def _install(self, plan: pb.Plan) -> None:
         """Units, codec and schemes from ``plan`` (rank 0's): it must fit this worker's net."""
@@ -224,10 +248,9 @@ class Syncer:
             for s in u.layers:
                 self._unit_of[s.layer] = u
             self.stats.layer_names[u.id] = u.name
-        schemes = {}
-        for name in sorted({u.scheme for u in units}):
-            schemes[name] = SCHEMES[name](self, [u for u in units if u.scheme == name],
-                                          self.chunk_bytes)
+        schemes = {name: compose(SCHEMES[name], self, [u for u in units if u.scheme == name],
+                                 self.chunk_bytes) for name in sorted({u.scheme for u in units})}
+        self._receivers = {tag: s for s in schemes.values() for tag in s.tags()}
         self._schemes = schemes  # from here on, DATA messages can be checked
 
     def _fail(self, reason: str) -> None:
@@ -397,9 +420,9 @@ class Syncer:
         """On the receive thread, before a byte is used: a known unit of the sending scheme,
         in this round or the next, as the scheme's tables say."""
         h = msg.header
-        scheme = self._schemes.get(h.scheme)
+        scheme = self._receivers.get(h.scheme)
         unit = self.units.get(h.layer)
-        if scheme is None or unit is None or unit.scheme != h.scheme:
+        if scheme is None or unit is None or unit.scheme != scheme.name:
             return f"unit {h.layer} is not synchronised by {h.scheme!r} here"
         done = self._rounds_done[unit.id]
         return scheme.check(msg, (done, done + 1))
@@ -429,7 +452,7 @@ class Syncer:
             if ev is None or self.ep.error is not None:
                 return
             if isinstance(ev, Message):
-                self._schemes[ev.header.scheme].receive(ev)
+                self._receivers[ev.header.scheme].receive(ev)
             else:
                 _, unit, rnd, bits, captured, released = ev
                 self._outstanding[(unit.id, rnd)] = (now(), released)

@@ -80,7 +80,7 @@ def peer_name(peer: PeerId, hosts: Sequence[HostEntry]) -> str:
     role, idx = peer
     if 0 <= idx < len(hosts):
         e = hosts[idx]
-        return f"{role} {idx} ({e.host}:{e.port if role == WORKER else e.shard_port})"
+        return f"{role} {idx} ({e.label(e.port if role == WORKER else e.shard_port)})"
     return f"{role} {idx}"
 
 
@@ -210,8 +210,9 @@ class Endpoint:
                 self.stats.add_bytes(hdr.layer, tag, True, nbytes, self._network(p))
 
     def _network(self, peer: PeerId) -> bool:
-        """True when traffic to ``peer`` leaves this node (worker r and shard r are one node)."""
-        return peer[1] != self.me[1]
+        """True when traffic to ``peer`` leaves this machine (a worker and its shard, and the
+        workers of one hosts line, are one machine)."""
+        return self.hosts[peer[1]].machine != self.hosts[self.me[1]].machine
 
     # --------------------------------------------------------------------------- receiving
     def _recv_loop(self) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from engine.comm.codecs import CODECS
 from engine.comm.errors import CommError
-from engine.comm.planner import COMM_MODES
+from engine.comm.planner import split_comm
 from engine.comm.schemes.ps import DEFAULT_CHUNK_BYTES
 
 SIGNAL_ACTIONS = ("stop", "snapshot", "none")
@@ -22,6 +22,7 @@ SIGNAL_ACTIONS = ("stop", "snapshot", "none")
 @dataclass(frozen=True)
 class JobConfig:
     solver: str
+    #: where the host table came from (a hosts file, "-H ...", "-n N", a manager), for messages
     hosts: str
     comm: str = "auto"
     timeout: float = 30.0
@@ -35,10 +36,14 @@ class JobConfig:
     link: str | None = None
     #: send the lowest waiting layer first (the next forward needs it first)
     priority: bool = True
+    #: reduce inside each machine first (two levels) when machines run several workers
+    levels: bool = True
     weights: tuple[str, ...] = ()
     snapshot: str | None = None
     #: the GPUs each machine's workers take round robin (None: the CPU)
     gpus: tuple[int, ...] | None = None
+    #: --gpus: local worker i of every machine takes gpus[i] (one worker per GPU)
+    pin_gpus: bool = False
     stats: str | None = None
     #: SIGINT / SIGTERM / SIGHUP -> stop | snapshot | none (Caffe's -sigint_effect...)
     signal_effects: dict[str, str] = field(default_factory=dict)
@@ -51,8 +56,10 @@ class JobConfig:
     key_file: str | None = None
 
     def __post_init__(self) -> None:
-        if self.comm not in COMM_MODES:
-            raise CommError(f"--comm must be one of {', '.join(COMM_MODES)}, got {self.comm!r}")
+        try:
+            split_comm(self.comm)
+        except ValueError as e:
+            raise CommError(str(e)) from None
         if self.wire not in CODECS:
             raise CommError(f"--wire must be one of {', '.join(CODECS)}, got {self.wire!r}")
         if not (self.fusion_mb >= 0 and self.fusion_ms >= 0):
@@ -108,6 +115,8 @@ def _check(name: str, value: Any) -> None:
         "fusion_mb": _number(value),
         "fusion_ms": _number(value),
         "priority": isinstance(value, bool),
+        "levels": isinstance(value, bool),
+        "pin_gpus": isinstance(value, bool),
         "chunk_bytes": isinstance(value, int) and not isinstance(value, bool),
         "weights": isinstance(value, list) and all(isinstance(v, str) for v in value),
         "gpus": value is None or (isinstance(value, list) and all(

@@ -1,10 +1,14 @@
-"""`poseidon train --hosts H` / `-n N`: start the local workers and supervise them.
+"""`poseidon train` on several workers: start the local ones and supervise them, or be one.
 
-Started without a rank (none given, none in SLURM_PROCID / OMPI_COMM_WORLD_RANK / RANK), the
-launcher starts one worker process per local hosts entry (and, with ``--launch ssh``, one per
-remote entry over ssh) and supervises them: when any of them fails, every other one is stopped
-and the error names it; signals are passed on (see ``launch_all``). With a rank, this process
-is that worker (poseidon_cli/launch/worker.py).
+* With a host table (--hosts, -H, -n, --gpus; tables.py) and no rank, this process starts one
+  worker process per local entry (and, with ``--launch ssh``, per remote one), hands each the
+  table on its standard input, and supervises them: when any fails, every other one is stopped
+  and the error names it; signals are passed on (``launch_all``).
+* With a table and a rank (--rank, or a manager's rank variable), this process is that worker.
+* With a cluster manager's variables and no table (``srun``, ``mpirun``, torchrun's convention;
+  managers.py), this process is the worker the manager says and learns the table at the
+  rendezvous (``run_managed``); a PyTorchJob pod starts its node's workers, which do that
+  (``launch_node``).
 """
 from __future__ import annotations
 
@@ -14,32 +18,27 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from engine.comm.auth import KEY_ENV, job_key, key_hex, new_key
 from engine.comm.errors import CommError
-from engine.comm.hosts import HostEntry, is_local, local_addresses, parse_hosts
+from engine.comm.hosts import HostEntry, is_local, local_addresses, table_json
 
 from .config import JobConfig
+from .managers import NodePlacement, Placement, rank_from_env
 from .relay import ErrorRelay
 
-RANK_ENV = ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "RANK")
+#: torchrun's variables, which a PyTorchJob node sets for each worker it starts
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "MASTER_ADDR", "MASTER_PORT")
 
 
-def rank_from_env(environ: dict[str, str] | None = None) -> int | None:
-    env = os.environ if environ is None else environ
-    for var in RANK_ENV:
-        if env.get(var, "").strip():
-            try:
-                return int(env[var])
-            except ValueError:
-                raise CommError(f"{var}={env[var]!r} is not a rank number") from None
-    return None
-
-
-def worker_command(config: JobConfig, rank: int, gpu: int | None) -> list[str]:
-    """The command line of worker ``rank``: the job's configuration as JSON, not an argv."""
-    cmd = [sys.executable, "-m", "poseidon_cli.launch.worker", "--rank", str(rank)]
+def worker_command(config: JobConfig, rank: int | None, gpu: int | None) -> list[str]:
+    """The command line of worker ``rank``: the job's configuration as JSON, not an argv. The
+    table comes on its standard input; without a rank, from the rendezvous."""
+    cmd = [sys.executable, "-m", "poseidon_cli.launch.worker"]
+    if rank is not None:
+        cmd += ["--rank", str(rank)]
     if gpu is not None:
         cmd += ["--gpu", str(gpu)]
     return cmd + ["--config", config.to_json()]
@@ -47,14 +46,16 @@ def worker_command(config: JobConfig, rank: int, gpu: int | None) -> list[str]:
 
 def ssh_command(entry: HostEntry, cmd: Sequence[str]) -> list[str]:
     """Run ``cmd`` on ``entry``'s machine in the same directory (shared file system assumed).
-    The job key comes on the first line of its standard input, never on a command line."""
+    The job key comes on the first line of its standard input, never on a command line; the
+    rest of that input is the worker's."""
     remote = (f"cd {shlex.quote(os.getcwd())} && IFS= read -r {KEY_ENV} && export {KEY_ENV} "
               f"&& exec {shlex.join(cmd)}")
     return ["ssh", "-o", "BatchMode=yes", "-o", "ServerAliveInterval=5", entry.host, remote]
 
 
 def assign_gpus(entries: list[HostEntry], gpus: Sequence[int] | None) -> dict[int, int | None]:
-    """Each rank's GPU: the machine's workers take ``gpus`` round robin, in hosts-file order."""
+    """Each rank's GPU for --gpu: the workers at one address take ``gpus`` round robin, in
+    rank order (several workers may share a GPU)."""
     if gpus is None:
         return {e.rank: None for e in entries}
     ids = list(gpus)
@@ -67,44 +68,155 @@ def assign_gpus(entries: list[HostEntry], gpus: Sequence[int] | None) -> dict[in
     return out
 
 
-def run(config: JobConfig, rank: int | None = None, launch: str = "local") -> None:
-    """What `poseidon train --hosts H` does; raises CommError with a one-line message."""
+def gpus_of(entries: list[HostEntry], config: JobConfig) -> dict[int, int | None]:
+    """Each rank's GPU: with --gpus, local worker i of each machine takes the i-th GPU listed
+    (tables.check_pinned made the counts agree); with --gpu, round robin; else None (CPU)."""
+    if config.pin_gpus and config.gpus is not None:
+        return {e.rank: config.gpus[e.local_rank] for e in entries}
+    return assign_gpus(entries, config.gpus)
+
+
+def start(config: JobConfig, managed: Placement | NodePlacement | None, hosts: str | None,
+          host_list: str | None, nproc: int | None, rank: int | None, launch: str) -> None:
+    """What `poseidon train` does with several workers: under a manager without a table, be
+    its worker (or start a PyTorchJob node's); else resolve the table (tables.py) and run."""
+    if isinstance(managed, NodePlacement):
+        launch_node(config, managed, nproc)
+    elif managed is not None:
+        run_managed(config, managed)
+    else:
+        from .tables import resolve
+        pinned = config.gpus if config.pin_gpus else None
+        entries = resolve(hosts, host_list, nproc, pinned)
+        # `srun poseidon train --hosts H`: the manager's rank is the rank in the file (-H and
+        # -n probe their ports: only a launcher that starts every worker can hand them out)
+        if rank is None and hosts is not None and (found := rank_from_env(os.environ)):
+            rank, world, manager = found
+            if world is not None and world != len(entries):
+                raise CommError(f"{manager} started {world} workers, but {hosts} lists "
+                                f"{len(entries)}")
+        run(config, entries, rank, launch)
+
+
+def run(config: JobConfig, entries: list[HostEntry], rank: int | None = None,
+        launch: str = "local") -> None:
+    """Start and supervise the table's workers, or be worker ``rank``; raises CommError with a
+    one-line message."""
     if launch not in ("local", "ssh"):
         raise CommError(f"--launch must be 'local' or 'ssh', got {launch!r}")
-    entries = parse_hosts(config.hosts)
-    rank = rank if rank is not None else rank_from_env()
     if rank is None:
         launch_all(config, entries, launch)
         return
     if not 0 <= rank < len(entries):
-        raise CommError(f"--rank {rank} out of range: {config.hosts} lists {len(entries)} hosts")
+        raise CommError(f"--rank {rank} out of range: {config.hosts} lists {len(entries)} "
+                        "workers")
     from .worker import run_worker
-    run_worker(config, entries, rank, assign_gpus(entries, config.gpus)[rank])
+    run_worker(config, entries, rank, gpus_of(entries, config)[rank])
+
+
+def run_managed(config: JobConfig, placement: Placement) -> None:
+    """Be the worker a cluster manager started: meet the others at the rendezvous, train."""
+    from .rendezvous import meet
+    from .worker import NO_KEY, run_worker
+
+    key = job_key(config.key_file)
+    if key is None:
+        raise CommError(NO_KEY)
+    gpus = config.gpus
+    if config.pin_gpus and gpus is not None and placement.local_size not in (None, len(gpus)):
+        raise CommError(f"{placement.manager} runs {placement.local_size} workers on this "
+                        f"machine, but --gpus {','.join(map(str, gpus))} pins one worker to "
+                        f"each of {len(gpus)} GPUs")
+    entries = meet(placement, key, config.timeout)
+    if placement.rank == 0:
+        from engine import glog
+        from engine.comm.hosts import machines
+        counts = [len(m) for m in machines(entries)]
+        host, port = placement.master or ("?", 0)
+        glog.info(f"Rendezvous ({placement.manager}) at {host}:{port}: "
+                  f"{len(entries)} workers on {len(counts)} machines "
+                  f"({', '.join(map(str, counts))} workers)")
+    if config.pin_gpus and gpus is not None:
+        from .tables import check_pinned
+        check_pinned(entries, gpus)
+    run_worker(config, entries, placement.rank, gpus_of(entries, config)[placement.rank])
+
+
+class Child(NamedTuple):
+    """A process a launcher starts: its name in errors, command, environment, standard input."""
+    name: str
+    cmd: list[str]
+    env: dict[str, str]
+    stdin: bytes
 
 
 def launch_all(config: JobConfig, entries: list[HostEntry], launch: str) -> None:
-    """Start every local worker (and, with ssh, the remote ones) and supervise them. SIGINT,
-    SIGTERM and SIGHUP are passed on to each local worker, which acts on them as the solver's
-    signal effects say, at the iteration all workers agree on (engine/comm/syncer.py); a
-    second SIGINT or SIGTERM stops every process at once."""
+    """Start every local worker (and, with ssh, the remote ones), each with the table on its
+    standard input, and supervise them (``start_and_supervise``)."""
     local = local_addresses()
-    procs: dict[str, subprocess.Popen] = {}
     remote = [e for e in entries if not is_local(e, local)]
     if remote and launch != "ssh":
-        print(f"poseidon: {len(remote)} hosts are not this machine; start them with "
+        print(f"poseidon: {len(remote)} workers are not on this machine; start them with "
               f"`poseidon train ... --rank N` there (or use --launch ssh): "
               + ", ".join(f"rank {e.rank} at {e}" for e in remote), file=sys.stderr)
     key = job_key(config.key_file)
     if key is None:
         if remote and launch != "ssh":
-            raise CommError(f"{len(remote)} hosts are not this machine and will be started by "
-                            "hand: they need this job's key. Make one with `poseidon keygen "
+            raise CommError(f"{len(remote)} workers are not on this machine and will be started "
+                            "by hand: they need this job's key. Make one with `poseidon keygen "
                             "job.key`, copy it to every host and give --key-file job.key to "
                             "every rank")
         key = new_key()  # a fresh key per launch: an earlier run's messages cannot be replayed
     plain_env = {k: v for k, v in os.environ.items() if k != KEY_ENV}  # ssh: the key goes on stdin
     env = {**plain_env, KEY_ENV: key_hex(key)}
-    gpu_of = assign_gpus(entries, config.gpus)
+    table = (table_json(entries) + "\n").encode()
+    gpu_of = gpus_of(entries, config)
+    children = []
+    for e in entries:
+        cmd = worker_command(config, e.rank, gpu_of[e.rank])
+        if is_local(e, local):
+            children.append(Child(f"worker {e.rank} ({e})", cmd, env, table))
+        elif launch == "ssh":
+            children.append(Child(f"worker {e.rank} ({e})", ssh_command(e, cmd), plain_env,
+                                  (key_hex(key) + "\n").encode() + table))
+    if not children:
+        raise CommError(f"{config.hosts}: no worker is on this machine; run `poseidon train ... "
+                        "--rank N` on each host, or use --launch ssh")
+    start_and_supervise(children, config)
+
+
+def launch_node(config: JobConfig, node: NodePlacement, nproc: int | None) -> None:
+    """A PyTorchJob pod, as torchrun would: start this node's workers (``nproc``: from -n or
+    --gpus, else the operator's count) with torchrun's variables (each then meets the others at
+    the rendezvous) and supervise them."""
+    if nproc is not None and node.nproc not in (None, nproc):
+        raise CommError(f"PET_NPROC_PER_NODE={node.nproc}, but -n / --gpus ask for {nproc} "
+                        "workers on this node")
+    nproc = nproc or node.nproc or 1
+    key = job_key(config.key_file)
+    if key is None:
+        from .worker import NO_KEY
+        raise CommError(NO_KEY)
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith("PET_") and k not in TORCHRUN_VARS}
+    master_addr, master_port = node.master
+    children = []
+    for i in range(nproc):
+        rank = node.node_rank * nproc + i
+        env = {**base, KEY_ENV: key_hex(key), "RANK": str(rank),
+               "WORLD_SIZE": str(node.nnodes * nproc), "LOCAL_RANK": str(i),
+               "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": str(node.node_rank),
+               "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
+        children.append(Child(f"worker {rank} (node {node.node_rank} local rank {i})",
+                              worker_command(config, None, None), env, b""))
+    start_and_supervise(children, config)
+
+
+def start_and_supervise(children: list[Child], config: JobConfig) -> None:
+    """Start the children and supervise them. SIGINT, SIGTERM and SIGHUP are passed on to
+    each, which acts on them as the solver's signal effects say, at the iteration all workers
+    agree on (engine/comm/syncer.py); a second SIGINT or SIGTERM stops every process at once."""
+    procs: dict[str, subprocess.Popen] = {}
     relay = ErrorRelay()
     effects = config.signal_effects
     forwarded: set[int] = set()
@@ -127,26 +239,18 @@ def launch_all(config: JobConfig, entries: list[HostEntry], launch: str) -> None
     handled = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s]
     previous = {s: signal.signal(s, forward) for s in handled}
     try:
-        for e in entries:
-            cmd = worker_command(config, e.rank, gpu_of[e.rank])
-            over_ssh = not is_local(e, local)
-            if over_ssh:
-                if launch != "ssh":
-                    continue
-                cmd = ssh_command(e, cmd)
+        for child in children:
             # own session: Ctrl-C reaches the launcher only, which then stops everything
-            proc = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE,
-                                    env=plain_env if over_ssh else env,
-                                    stdin=subprocess.PIPE if over_ssh else None)
-            if over_ssh:
-                assert proc.stdin is not None
-                proc.stdin.write((key_hex(key) + "\n").encode())
-                proc.stdin.close()
+            proc = subprocess.Popen(child.cmd, start_new_session=True, stderr=subprocess.PIPE,
+                                    env=child.env, stdin=subprocess.PIPE)
+            procs[child.name] = proc
             relay.watch(proc)
-            procs[f"worker {e.rank} ({e})"] = proc
-        if not procs:
-            raise CommError(f"{config.hosts}: no entry is this machine; run `poseidon train ... "
-                            "--rank N` on each host, or use --launch ssh")
+            assert proc.stdin is not None
+            try:
+                proc.stdin.write(child.stdin)
+                proc.stdin.close()
+            except BrokenPipeError:  # it died at once: supervise names it
+                pass
         supervise(procs, relay, config.snapshot)
     except KeyboardInterrupt:
         stop_all(procs)

@@ -3,7 +3,8 @@
 Its worker starts it and it lives and ends with that worker: it ignores SIGINT, SIGTERM and
 SIGHUP (the worker acts on those, and needs its shard to snapshot or stop at the agreed
 iteration), and ends when its peers say BYE or go silent. The job key comes in
-$POSEIDON_JOB_KEY, which its worker sets (never on the command line).
+$POSEIDON_JOB_KEY, which its worker sets (never on the command line), and the host table as
+one line of JSON on its standard input.
 """
 from __future__ import annotations
 
@@ -14,16 +15,17 @@ import sys
 
 from engine.comm.auth import KEY_ENV, job_key, key_hex
 from engine.comm.errors import CommError
+from engine.comm.hosts import HostEntry, table_from_json
 
 #: after a fatal error, a process still busy computing is stopped this many seconds later
 EXIT_GRACE_S = 2.0
 
 
-def shard_command(index: int, hosts: str, timeout: float, max_frame_bytes: int,
+def shard_command(index: int, timeout: float, max_frame_bytes: int,
                   timeline: str | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "poseidon_cli.launch.shard", "--hosts", hosts,
-           "--index", str(index), "--timeout", f"{timeout:g}",
-           "--max-frame-bytes", str(max_frame_bytes)]
+    """The shard's command line; its worker writes the host table to its standard input."""
+    cmd = [sys.executable, "-m", "poseidon_cli.launch.shard", "--index", str(index),
+           "--timeout", f"{timeout:g}", "--max-frame-bytes", str(max_frame_bytes)]
     return cmd + (["--timeline", timeline] if timeline else [])
 
 
@@ -31,12 +33,10 @@ def shard_env(key: bytes) -> dict[str, str]:
     return {**os.environ, KEY_ENV: key_hex(key)}
 
 
-def run_shard(index: int, hosts: str, timeout: float, max_frame_bytes: int | None = None,
-              timeline: str | None = None) -> int:
-    from engine.comm.hosts import parse_hosts
+def run_shard(index: int, entries: list[HostEntry], timeout: float,
+              max_frame_bytes: int | None = None, timeline: str | None = None) -> int:
     from engine.comm.shard import ShardServer
 
-    entries = parse_hosts(hosts)
     key = job_key(None)
     if key is None:
         raise CommError(f"shard {index}: no job key in ${KEY_ENV} (its worker sets it)")
@@ -62,7 +62,6 @@ def run_shard(index: int, hosts: str, timeout: float, max_frame_bytes: int | Non
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m poseidon_cli.launch.shard")
-    ap.add_argument("--hosts", required=True)
     ap.add_argument("--index", type=int, required=True)
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--max-frame-bytes", type=int, default=None)
@@ -72,7 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         if sig is not None:
             signal.signal(sig, signal.SIG_IGN)
     try:
-        return run_shard(args.index, args.hosts, args.timeout, args.max_frame_bytes,
+        entries = table_from_json(sys.stdin.readline(), "the host table on standard input")
+        if not 0 <= args.index < len(entries):
+            raise CommError(f"shard {args.index}: the table lists {len(entries)} workers")
+        return run_shard(args.index, entries, args.timeout, args.max_frame_bytes,
                          args.timeline)
     except CommError as e:
         print(f"poseidon: error: {e}", file=sys.stderr)

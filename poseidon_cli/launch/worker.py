@@ -3,12 +3,16 @@
 It starts its node's PS shard server as a child process, builds the Solver with
 ``RunContext(rank, P)``, meets every peer at the start-up barrier, prints the plan (rank 0),
 trains with the DWBP syncer attached, and finally says BYE. The launcher starts it as
-``python -m poseidon_cli.launch.worker --rank N [--gpu G] --config JSON``; a worker started by
-hand (`poseidon train ... --rank N`) runs ``run_worker`` in the CLI's process.
+``python -m poseidon_cli.launch.worker --rank N [--gpu G] --config JSON`` with the host table on
+its standard input (a PyTorchJob pod starts it without ``--rank``: it meets the others at the
+rendezvous); a worker started by hand (`poseidon train ... --rank N`) or by a cluster manager
+(`srun poseidon train ...`) runs ``run_worker`` in the CLI's process. Its shard gets the table
+on its standard input too.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +23,7 @@ from typing import Any
 from poseidon_cli.main import user_errors  # isort: skip
 
 from engine.comm.errors import CommError
-from engine.comm.hosts import HostEntry, is_local, local_addresses
+from engine.comm.hosts import HostEntry, is_local, local_addresses, table_json, table_from_json
 
 from ..progress import ProgressBar
 from ..signals import signal_requests
@@ -76,8 +80,8 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
     stats = CommStats()
     stats.extra.update(rank=rank, world_size=world, comm=config.comm, wire=config.wire)
 
-    def make_plan(probed: Any) -> Any:  # rank 0's: every worker follows the plan it sends
-        plan = plan_for(solver.net, infos, world, config, probed,
+    def make_plan(probed: Any, local: Any) -> Any:  # rank 0's: every worker follows it
+        plan = plan_for(solver.net, infos, entries, config, probed, local,
                         allow_sfb=solver.param.iter_size == 1, on_gpu=gpu is not None)
         glog.info(plan_table(plan, world))
         glog.info(f"The losses and outputs below are rank 0's, over its {total // world} of the "
@@ -95,9 +99,14 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
         from engine.perf import timeline as tl
         tl.start(config.timeline, f"worker {rank}", f"worker{rank}")
     max_frame = frame_limit(slots, world, config.chunk_bytes)
-    shard = subprocess.Popen(shard_command(rank, config.hosts, config.timeout, max_frame,
-                                           config.timeline),
-                             stderr=subprocess.PIPE, env=shard_env(key))
+    shard = subprocess.Popen(shard_command(rank, config.timeout, max_frame, config.timeline),
+                             stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=shard_env(key))
+    assert shard.stdin is not None
+    try:
+        shard.stdin.write((table_json(entries) + "\n").encode())
+        shard.stdin.close()
+    except BrokenPipeError:  # it died at once; its error line comes through the relay
+        pass
     shard_errors: list[str] = []
     ep = None
 
@@ -122,6 +131,7 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
                     glog.info(line)
 
         solver.attach_sync(Syncer(ep, slots, solver.update_layer, planner=make_plan, link=link,
+                                  levels=config.levels,
                                   chunk_bytes=config.chunk_bytes, priority=config.priority,
                                   on_round_done=report))
         with signal_requests(solver, config.signal_effects):
@@ -152,10 +162,12 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
                 tl.merge(config.timeline, expected=2 * sum(is_local(e, here) for e in entries))
 
 
-def plan_for(net: Any, infos: list[Any], world: int, config: JobConfig, link: Any,
-             allow_sfb: bool, on_gpu: bool) -> Any:
-    """Rank 0's plan for ``net`` on ``link``: this machine's probed speeds, and the backward
-    time of every layer estimated from its arithmetic (for --fusion-ms)."""
+def plan_for(net: Any, infos: list[Any], entries: list[Any], config: JobConfig, link: Any,
+             local_link: Any, allow_sfb: bool, on_gpu: bool) -> Any:
+    """Rank 0's plan for ``net`` on the network ``link`` (and ``local_link`` inside a machine):
+    this machine's probed speeds, and the backward time of every layer estimated from its
+    arithmetic (for --fusion-ms)."""
+    from engine.comm.topology import Topology
     from engine.comm.planner import make_plan
     from engine.comm.probe import probe_device
     from engine.perf.flops import DeviceSpeed, trace_from_flops
@@ -167,25 +179,37 @@ def plan_for(net: Any, infos: list[Any], world: int, config: JobConfig, link: An
         speed = DeviceSpeed(device.name, device.gemm_flops_per_s, device.add_bytes_per_s / 3)
         trace = trace_from_flops(facts_of(net, infos), speed)
         backward_s = [t.backward_ms / 1e3 for t in trace.layers]
-    return make_plan(infos, world, config.comm, allow_sfb, link, device, config.chunk_bytes,
-                     config.wire, int(config.fusion_mb * (1 << 20)), config.fusion_ms / 1e3,
-                     backward_s)
+    topo = Topology.of(entries, 0)
+    slots = topo.slots if config.levels and topo.two_level else 1
+    return make_plan(infos, len(entries), config.comm, allow_sfb, link, device,
+                     config.chunk_bytes, config.wire, int(config.fusion_mb * (1 << 20)),
+                     config.fusion_ms / 1e3, backward_s, slots=slots, local_link=local_link)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m poseidon_cli.launch.worker")
-    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--rank", type=int, default=None,
+                    help="this worker's rank in the host table on standard input (without it: "
+                    "the rank from the manager's variables, the table from the rendezvous)")
     ap.add_argument("--gpu", type=int, default=None)
     ap.add_argument("--config", required=True, help="the job's JobConfig as JSON")
     args = ap.parse_args(argv)
-    from engine.comm.hosts import parse_hosts
 
     with user_errors():
         config = JobConfig.from_json(args.config)
-        entries = parse_hosts(config.hosts)
+        if args.rank is None:
+            from .launcher import run_managed
+            from .managers import Placement, detect
+            placement = detect(os.environ)
+            if not isinstance(placement, Placement):
+                raise CommError("a worker without --rank takes its place from a cluster "
+                                "manager's variables (RANK, WORLD_SIZE, ...): none are set")
+            run_managed(config, placement)
+            return
+        entries = table_from_json(sys.stdin.readline(), "the host table on standard input")
         if not 0 <= args.rank < len(entries):
             raise CommError(f"--rank {args.rank} out of range: {config.hosts} lists "
-                            f"{len(entries)} hosts")
+                            f"{len(entries)} workers")
         run_worker(config, entries, args.rank, args.gpu)
 
 

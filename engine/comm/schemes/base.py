@@ -28,6 +28,7 @@ from engine.pb import poseidon_pb2 as pb
 
 if TYPE_CHECKING:
     from ..codecs import Codec
+    from ..topology import Topology
     from ..transport import Endpoint, Message, PeerId
 
 #: Header.request bits: signals (snapshot, stop), then the codecs' flags
@@ -94,6 +95,7 @@ class Host(Protocol):
     rank: int
     world: int
     codec: "Codec"
+    topology: "Topology"
 
     def send(self, unit: Unit, peers: Sequence["PeerId"], hdr: pb.Header,
              arrays: Sequence[np.ndarray] = ()) -> None:
@@ -153,10 +155,28 @@ class Scheme(ABC):
     #: sums dense vectors: fusion buckets and wire codecs apply to it
     dense: ClassVar[bool] = True
 
-    def __init__(self, host: Host, units: Sequence[Unit], chunk_bytes: int) -> None:
+    def __init__(self, host: Host, units: Sequence[Unit], chunk_bytes: int,
+                 groups: Sequence[tuple[int, ...]] | None = None, mine: int = 0) -> None:
+        """``groups``: the worker groups that each sum one part of every unit's vector (a
+        two-level run's network groups; default: one group of every worker, one part), and
+        ``mine``: the group (and part) this worker takes part in."""
         self.host = host
         self.units = {u.id: u for u in units}
         self.chunk_bytes = chunk_bytes
+        self.groups = [tuple(g) for g in groups] if groups else [tuple(range(host.world))]
+        self.mine = mine
+        self.group = self.groups[mine]
+        self.size = len(self.group)
+        self.index = self.group.index(host.rank)
+
+    def sizes(self, unit: Unit, part: int) -> dict[int, int]:
+        """phase -> the length of part ``part`` of each vector the unit sums per round."""
+        return {phase: split(n, len(self.groups))[part][1]
+                for phase, n in self.host.codec.vectors(unit.count).items()}
+
+    def tags(self) -> list[str]:
+        """The wire tags (Header.scheme) whose messages this scheme checks and receives."""
+        return [self.name]
 
     @classmethod
     def applies(cls, layer: LayerSlot | Any) -> bool:
@@ -205,15 +225,16 @@ class DenseScheme(Scheme):
 
     dense = True
 
-    def __init__(self, host: Host, units: Sequence[Unit], chunk_bytes: int) -> None:
-        super().__init__(host, units, chunk_bytes)
+    def __init__(self, host: Host, units: Sequence[Unit], chunk_bytes: int,
+                 groups: Sequence[tuple[int, ...]] | None = None, mine: int = 0) -> None:
+        super().__init__(host, units, chunk_bytes, groups, mine)
         self._buffers: dict[int, np.ndarray] = {}
 
     def start(self, unit: Unit, rnd: int, bits: int, captured: Any) -> None:
         if unit.id not in self._buffers and not _is_view(unit):
             self._buffers[unit.id] = np.empty(unit.count, np.dtype(unit.params[0].blob.diff.dtype))
         vec = gather(unit, self._buffers.get(unit.id))
-        world = self.host.world
+        world = self.host.world  # the mean over every worker, whatever the levels
 
         def finish(total: np.ndarray, bits: int) -> None:
             # the mean (P workers with batch B compute one worker's P·B), into ``vec``: a

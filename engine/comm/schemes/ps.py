@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -20,7 +20,7 @@ import numpy as np
 from engine.pb import poseidon_pb2 as pb
 
 from ..transport import SHARD, Message, PeerId
-from .base import DenseScheme, Device, LayerTiming, Unit, arrays_are
+from .base import DenseScheme, Device, LayerTiming, Unit, arrays_are, split
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 #: below this a vector is not split further just to spread it over the shards
@@ -38,15 +38,18 @@ class Chunk:
     dtype: str   # as on the wire
     layer: int   # the unit's id
     phase: int = 0
+    #: the group of workers that push it (a two-level run's network group; 0 when flat)
+    group: int = 0
 
     def to_pb(self) -> pb.ChunkSpec:
         return pb.ChunkSpec(param=self.param, chunk=self.chunk, offset=self.offset,
                             count=self.count, shard=self.shard, dtype=self.dtype,
-                            layer=self.layer, phase=self.phase)
+                            layer=self.layer, phase=self.phase, group=self.group)
 
     @classmethod
     def from_pb(cls, c: pb.ChunkSpec) -> "Chunk":
-        return cls(c.param, c.chunk, c.offset, c.count, c.shard, c.dtype, c.layer, c.phase)
+        return cls(c.param, c.chunk, c.offset, c.count, c.shard, c.dtype, c.layer, c.phase,
+                   c.group)
 
 
 @dataclass(frozen=True)
@@ -91,16 +94,32 @@ def layout_digest(layout: Sequence[Chunk]) -> bytes:
     h = hashlib.sha256()
     for c in layout:
         h.update(f"{c.param},{c.chunk},{c.offset},{c.count},{c.shard},{c.dtype},{c.layer},"
-                 f"{c.phase};".encode())
+                 f"{c.phase},{c.group};".encode())
     return h.digest()
 
 
-def unit_vectors(units: Sequence[Unit], vectors: Any, dtype: str) -> list[PSParam]:
-    """The vectors PS units sum per round (``vectors(count) -> {phase: length}``, the codec's)."""
+def unit_vectors(units: Sequence[Unit], vectors: Any, dtype: str, part: int = 0,
+                 parts: int = 1, first: int = 0) -> list[PSParam]:
+    """The vectors PS units sum per round (``vectors(count) -> {phase: length}``, the codec's),
+    or part ``part`` of ``parts`` of each; numbered from ``first``."""
     out = []
     for u in sorted(units, key=lambda u: u.id):
         for phase, count in sorted(vectors(u.count).items()):
-            out.append(PSParam(len(out), u.id, count, dtype, phase))
+            out.append(PSParam(first + len(out), u.id, split(count, parts)[part][1], dtype,
+                               phase))
+    return out
+
+
+def group_layout(units: Sequence[Unit], vectors: Any, dtype: str,
+                 groups: Sequence[Sequence[int]], chunk_bytes: int) -> list[Chunk]:
+    """The chunk table of every group: group g sums part g of each vector over the shards of
+    its members (one group of every worker when flat, so shard j is worker j's)."""
+    out: list[Chunk] = []
+    for g, members in enumerate(groups):
+        first = 1 + max(c.param for c in out) if out else 0
+        params = unit_vectors(units, vectors, dtype, g, len(groups), first)
+        for c in make_layout(params, len(members), chunk_bytes):
+            out.append(replace(c, shard=members[c.shard], group=g))
     return out
 
 
@@ -118,16 +137,23 @@ class PS(DenseScheme):
 
     name = "ps"
 
-    def __init__(self, host: Any, units: Sequence[Unit], chunk_bytes: int) -> None:
-        super().__init__(host, units, chunk_bytes)
+    def __init__(self, host: Any, units: Sequence[Unit], chunk_bytes: int,
+                 groups: Sequence[tuple[int, ...]] | None = None, mine: int = 0) -> None:
+        super().__init__(host, units, chunk_bytes, groups, mine)
         codec = host.codec
-        self.layout = make_layout(unit_vectors(units, codec.vectors, codec.wire_dtype.str),
-                                  host.world, chunk_bytes)
+        #: every group's chunks: rank 0 hands the whole table to the shards
+        self.layout = group_layout(units, codec.vectors, codec.wire_dtype.str, self.groups,
+                                   chunk_bytes)
+        own = [c for c in self.layout if c.group == mine]
         self._chunks: dict[tuple[int, int], list[Chunk]] = {}
-        self._by_id = {(c.param, c.chunk): c for c in self.layout}
-        for c in self.layout:
+        self._by_id = {(c.param, c.chunk): c for c in own}
+        for c in own:
             self._chunks.setdefault((c.layer, c.phase), []).append(c)
         self._ops: dict[tuple[int, int, int], _Op] = {}
+
+    def shard_table(self) -> tuple[list[Chunk], list[tuple[int, ...]]]:
+        """Every group's chunks and the groups: what rank 0 sends the shards (LAYOUT)."""
+        return self.layout, self.groups
 
     @classmethod
     def timing(cls, info: Any, world: int, link: Any, device: Device, chunk_bytes: int,

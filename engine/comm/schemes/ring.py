@@ -44,15 +44,16 @@ class _Op:
 class Ring(DenseScheme):
     name = "ring"
 
-    def __init__(self, host: Any, units: Sequence[Unit], chunk_bytes: int) -> None:
-        super().__init__(host, units, chunk_bytes)
-        p, r = host.world, host.rank
-        self.left: PeerId = (WORKER, (r - 1) % p)
-        self.right: PeerId = (WORKER, (r + 1) % p)
+    def __init__(self, host: Any, units: Sequence[Unit], chunk_bytes: int,
+                 groups: Sequence[tuple[int, ...]] | None = None, mine: int = 0) -> None:
+        super().__init__(host, units, chunk_bytes, groups, mine)
+        p, r = self.size, self.index
+        self.left: PeerId = (WORKER, self.group[(r - 1) % p])
+        self.right: PeerId = (WORKER, self.group[(r + 1) % p])
         self._geometry: dict[tuple[int, int], list[list[tuple[int, int]]]] = {}
         itemsize = host.codec.wire_dtype.itemsize
         for u in units:
-            for phase, count in host.codec.vectors(u.count).items():
+            for phase, count in self.sizes(u, mine).items():
                 segments = split(count, p)
                 longest = max(n for _, n in segments)
                 subs = max(1, math.ceil(longest * itemsize / chunk_bytes))
@@ -92,13 +93,13 @@ class Ring(DenseScheme):
         key = (unit.id, phase)
         if key not in self._out:
             self._out[key] = np.empty(vec.size, vec.dtype)
-        p, r = host.world, host.rank
+        p, r = self.size, self.index
         # reduce-scatter brings every segment but r, all-gather every segment but r + 1
         expected = sum(len(g) for j, g in enumerate(geo) if j != r) + \
             sum(len(g) for j, g in enumerate(geo) if j != (r + 1) % p)
         op = _Op(vec, self._out[key], expected, bits, on_done)
         self._ops[(unit.id, rnd, phase)] = op
-        for c, (off, n) in enumerate(geo[host.rank]):
+        for c, (off, n) in enumerate(geo[r]):
             self._send(unit, rnd, phase, 0, c, vec[off:off + n], op)
         for msg in self._early.pop((unit.id, rnd, phase), []):
             self._step(op, msg)
@@ -113,7 +114,7 @@ class Ring(DenseScheme):
 
     def _step(self, op: _Op, msg: Message) -> None:
         h = msg.header
-        p, r = self.host.world, self.host.rank
+        p, r = self.size, self.index
         unit = self.units[h.layer]
         codec = self.host.codec
         s = h.op
@@ -155,7 +156,7 @@ class Ring(DenseScheme):
     # ---------------------------------------------------------------------------- checks
     def check(self, msg: Message, rounds: tuple[int, int]) -> str | None:
         h = msg.header
-        p, r = self.host.world, self.host.rank
+        p, r = self.size, self.index
         if msg.sender != self.left:
             return f"unit {h.layer}: ring message from {msg.sender}, not the left neighbour"
         if h.round not in rounds:

@@ -1,0 +1,78 @@
+"""The host table a launcher starts from: a hosts file, ``-H host:N,...``, ``-n N`` or ``--gpus``.
+
+A hosts file is taken as written. ``-H`` (horovodrun's spelling: ``host1:4,host2:4``) lists
+machines and their worker counts; ``-n N`` is N workers here. Each machine's workers take ports
+from a base (worker i at base + 2i, its shard at base + 2i + 1). When every machine listed is
+this one, the launcher starts every worker and hands each the table, so each base is probed
+free at start (two jobs on one machine do not collide); when some machine is elsewhere, its
+workers are started there from the same ``-H`` and must derive the same ports, so the bases are
+the hosts file's defaults.
+
+``--gpus`` pins one worker to each listed GPU on every machine: a machine's worker count is the
+number of GPUs unless a line says otherwise, and then it must agree.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from engine.comm.hosts import (DEFAULT_PORT, HostEntry, HostsError, Machine, check_resolvable,
+                               free_base_port, is_local_host, local_addresses, parse_hosts,
+                               parse_slots, reserve_ports, table_of)
+
+
+def resolve(hosts: str | None, host_list: str | None, nproc: int | None,
+            pinned: Sequence[int] | None) -> list[HostEntry]:
+    """The table of exactly one of ``hosts`` (a file), ``host_list`` (-H) or ``nproc`` (-n);
+    ``pinned``: the GPUs of --gpus, whose count is each machine's default worker count."""
+    slots = len(pinned) if pinned else 1
+    if hosts is not None:
+        entries = parse_hosts(hosts, default_slots=slots)
+    elif host_list is not None:
+        entries = from_host_list(host_list, slots)
+    else:
+        assert nproc is not None
+        entries = table_of([Machine("127.0.0.1", free_base_port(nproc), nproc, f"-n {nproc}")],
+                           f"-n {nproc}")
+    if pinned:
+        check_pinned(entries, pinned)
+    return entries
+
+
+def from_host_list(spec: str, default_slots: int = 1) -> list[HostEntry]:
+    """``-H host1:4,host2:4`` (a host without ``:N`` runs ``default_slots`` workers)."""
+    where = f"-H {spec}"
+    listed: list[tuple[str, int]] = []
+    for item in spec.split(","):
+        host, sep, count = item.strip().rpartition(":")
+        if not sep:
+            host, count = count, ""
+        if not host:
+            raise HostsError(f"{where}: expected host[:slots],... got {item!r}")
+        listed.append((host, parse_slots(count, where) if count else default_slots))
+    here = local_addresses()
+    probe = all(is_local_host(h, here) for h, _ in listed)
+    machines, before, held = [], 0, []
+    try:
+        for host, n in listed:
+            if probe:  # held until every machine has its base: no two draw the same ports
+                base, socks = reserve_ports(n)
+                held += socks
+            else:
+                base = DEFAULT_PORT + 2 * before
+            machines.append(Machine(host, base, n, where))
+            before += n
+    finally:
+        for s in held:
+            s.close()
+    entries = table_of(machines, where)
+    check_resolvable(entries)
+    return entries
+
+
+def check_pinned(entries: Sequence[HostEntry], gpus: Sequence[int]) -> None:
+    """--gpus: every machine runs one worker per listed GPU."""
+    for e in entries:
+        if e.local_size != len(gpus):
+            raise HostsError(f"{e.where}: machine {e.machine} ({e.host}) runs {e.local_size} "
+                             f"workers, but --gpus {','.join(map(str, gpus))} pins one worker "
+                             f"to each of {len(gpus)} GPUs")
