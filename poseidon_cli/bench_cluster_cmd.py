@@ -28,6 +28,9 @@ from .simulate_cmd import parse_workers
               help="Layer times to replay (poseidon-layer-trace or `poseidon time --json`).")
 @click.option("--time-scale", type=float, default=50.0, show_default=True,
               help="Replay: every layer time x S, every link's bandwidth / S.")
+@click.option("--slots", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Workers per emulated host (they share its link; with more than one the run "
+              "reduces inside each host first, unless a variant says --no-levels).")
 @click.option("--iters", type=int, default=6, show_default=True, help="Measured iterations.")
 @click.option("--warmup", type=int, default=3, show_default=True,
               help="Iterations before the measurement starts.")
@@ -36,7 +39,7 @@ from .simulate_cmd import parse_workers
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="Measured and predicted speedup against workers, as a PNG.")
 def cluster(solver: str, workers: str, schemes: str, bandwidth: str, compute: str,
-            trace_path: str | None, time_scale: float, iters: int, warmup: int,
+            trace_path: str | None, time_scale: float, slots: int, iters: int, warmup: int,
             json_path: str | None, plot: str | None) -> None:
     """Real workers in network namespaces over shaped links, next to `simulate`'s prediction."""
     from engine.perf import cluster as bench
@@ -77,12 +80,16 @@ def cluster(solver: str, workers: str, schemes: str, bandwidth: str, compute: st
             sys.stdout.flush()
 
         try:
+            bad = [n for n in counts if n > 1 and n % slots]
+            if bad:
+                fail(f"--workers {bad[0]} is not a multiple of --slots {slots}")
             rows = bench.run_bench(Path(solver), counts, wanted, bits, compute,
                                    Path(trace_path) if trace_path else None, time_scale, iters,
-                                   warmup, say)
+                                   warmup, say, slots=slots)
         except (bench.BenchError, ClusterError) as e:
             fail(str(e))
         report = {"solver": solver, "bandwidth_bits_per_s": bits, "compute": compute,
+                  "slots": slots,
                   "trace": trace_path, "time_scale": scale, "iters": iters, "warmup": warmup,
                   **bench.summary(rows)}
         if json_path:

@@ -90,6 +90,11 @@ def plot_speedup(predictions: Sequence, path: str, title: str) -> None:
 @click.option("--scheme", "schemes", default=",".join([*SCHEMES, "hybrid", "auto"]),
               show_default=True,
               help="Schemes to compare.")
+@click.option("--slots", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Workers per machine: with more than one, the schemes are priced in two "
+              "levels (inside a machine first, then across machines); --workers counts workers.")
+@click.option("--local-bandwidth", default="40gbit", show_default=True,
+              help="With --slots: the link between the workers of one machine.")
 @click.option("--chunk-bytes", type=int, default=4 << 20, show_default=True,
               help="The PS chunk size the run will use.")
 @click.option("--save-trace", type=click.Path(dir_okay=False), default=None,
@@ -99,8 +104,8 @@ def plot_speedup(predictions: Sequence, path: str, title: str) -> None:
               help="Write speedup against workers as a PNG (needs matplotlib).")
 def simulate(model: str, trace_path: str | None, estimate: bool, batch: int | None,
              input_shape: str | None, workers: str, bandwidth: str, latency: str,
-             link_path: str | None, schemes: str, chunk_bytes: int, save_trace: str | None,
-             as_json: bool, plot: str | None) -> None:
+             link_path: str | None, schemes: str, slots: int, local_bandwidth: str,
+             chunk_bytes: int, save_trace: str | None, as_json: bool, plot: str | None) -> None:
     """Predict iteration time, exposed communication and speedup per scheme and worker count."""
     from engine.perf.dag import SCHEMES, missing_layers, sweep
     from engine.perf.flops import TITAN_X, trace_from_flops
@@ -131,9 +136,16 @@ def simulate(model: str, trace_path: str | None, estimate: bool, batch: int | No
                              f"with batch {info.batch} (give --batch {trace.batch}?)")
         if save_trace:
             trace.save(save_trace)
-        predictions = sweep(info, trace, counts, wanted, link, chunk_bytes=chunk_bytes)
+        bad = [n for n in counts if n > slots and n % slots]
+        if bad:
+            raise ValueError(f"--workers {bad[0]} is not a multiple of --slots {slots}")
+        local = Link.from_bandwidth(parse_bandwidth(local_bandwidth), 20e-6,
+                                    f"inside a machine, {local_bandwidth}")
+        predictions = sweep(info, trace, counts, wanted, link, chunk_bytes=chunk_bytes,
+                            slots=slots, local_link=local)
         title = (f"{info.name}, batch {info.batch}/worker, {link.bits_per_s / 1e9:g} Gbit/s, "
-                 f"alpha {link.alpha_s * 1e6:g} us")
+                 f"alpha {link.alpha_s * 1e6:g} us"
+                 + (f", {slots} workers per machine" if slots > 1 else ""))
         if plot:
             plot_speedup(predictions, plot, title)
     report = {"net": info.name, "batch": info.batch, "params": info.total_params,

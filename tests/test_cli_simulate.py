@@ -106,3 +106,20 @@ def test_plot(tmp_path):
     else:
         assert done.returncode == 0, done.stderr
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_slots_price_two_levels():
+    """2 machines of 4 workers at 1 Gbit/s: reducing inside each machine first moves one copy
+    of the gradients per machine, so PS over 8 workers is predicted well above (1.46x) the flat
+    figure of every worker a machine of its own with a link of its own (tests/test_comm_levels*.py
+    check the real runs)."""
+    common = ["simulate", "--model", S4, "--estimate", "--workers", "8", "--scheme", "ps",
+              "--bandwidth", "1gbit", "--json"]
+    two = run(*common, "--slots", "4")
+    flat = run(*common)
+    assert two.returncode == 0 and flat.returncode == 0, (two.stderr, flat.stderr)
+    [p2] = [p for p in json.loads(two.stdout)["predictions"] if p["workers"] == 8]
+    [p1] = [p for p in json.loads(flat.stdout)["predictions"] if p["workers"] == 8]
+    assert p2["speedup"] > 1.3 * p1["speedup"], (p2, p1)
+    bad = run("simulate", "--model", S4, "--estimate", "--workers", "6", "--slots", "4")
+    assert bad.returncode == 1 and "not a multiple of --slots 4" in bad.stderr

@@ -217,6 +217,11 @@ class Levels(DenseScheme):
         return max(self.chunk_bytes + 8, self.inner.largest_frame())
 
 
+def shared(link: Any, ways: int) -> Any:
+    """``link`` as each of ``ways`` flows through it at once sees it."""
+    return type(link)(link.alpha_s, link.beta_s_per_byte * ways, f"{link.source} / {ways}")
+
+
 def timing(cls: type[Scheme], info: Any, world: int, slots: int, link: Any, local_link: Any,
            device: Device, chunk_bytes: int, wire_itemsize: int) -> LayerTiming:
     """The cost of one layer by ``cls`` on ``world`` workers, ``slots`` per machine: flat when
@@ -230,7 +235,8 @@ def timing(cls: type[Scheme], info: Any, world: int, slots: int, link: Any, loca
     from .planner import LayerInfo
 
     part = LayerInfo(info.layer, info.name, [(-(-info.params // slots),)], None, info.itemsize)
-    net = cls.timing(part, machines, link, device, chunk_bytes, wire_itemsize)
+    # the k owners of a machine send their parts at once through its one network link
+    net = cls.timing(part, machines, shared(link, slots), device, chunk_bytes, wire_itemsize)
     share = (slots - 1) / slots * info.params * info.itemsize
     local = local_link.alpha_s + local_link.beta_s_per_byte * share
     adds = share / device.add_bytes_per_s

@@ -182,9 +182,11 @@ def bench_solver(solver: Path, out: Path, iters: int) -> Path:
 
 def measure(solver: Path, workers: int, scheme: str, bits_per_s: float, compute: str,
             trace_path: Path | None, time_scale: float, iters: int, warmup: int,
-            timeout: float = 600.0) -> tuple[float, dict[str, Any], float, Link]:
+            timeout: float = 600.0, slots: int = 1) -> tuple[float, dict[str, Any], float, Link]:
     """One run: (period in scaled seconds, rank 0's stats, CPU utilisation, the link as
-    measured: its latency and the goodput of one TCP stream)."""
+    measured: its latency and the goodput of one TCP stream). ``slots`` workers share each
+    emulated host (its namespace, its one shaped link)."""
+    slots = slots if workers > 1 else 1
     scale = time_scale if compute == "replay" else 1.0
     # the ranks are started by hand, each in its namespace: hand them this run's key as a
     # launcher would
@@ -192,11 +194,12 @@ def measure(solver: Path, workers: int, scheme: str, bits_per_s: float, compute:
     with tempfile.TemporaryDirectory(prefix="poseidon-bench-") as d:
         out = Path(d)
         copy = bench_solver(solver, out, warmup + iters)
-        with EmulatedCluster(workers, bits_per_s / scale) as cluster, CpuSampler() as cpu:
+        with EmulatedCluster(workers // slots, bits_per_s / scale) as cluster, \
+                CpuSampler() as cpu:
             link = Link(cluster.measure_latency(50), 8.0 / cluster.measure_goodput(),
                         "emulated link, measured")
             hosts = out / "hosts.txt"
-            hosts.write_text("".join(f"{a}:{PORT}\n" for a in cluster.addresses))
+            hosts.write_text("".join(f"{a}:{PORT} slots={slots}\n" for a in cluster.addresses))
             procs = []
             for r in range(workers):
                 cmd = [sys.executable, "-m", "poseidon_cli.main", "train", "--solver", str(copy)]
@@ -209,7 +212,7 @@ def measure(solver: Path, workers: int, scheme: str, bits_per_s: float, compute:
                 if compute == "replay":
                     cmd += ["--replay", str(trace_path), "--time-scale", f"{time_scale:g}"]
                 log = open(out / f"rank{r}.log", "w")
-                procs.append((cluster.run(r, cmd, stdout=subprocess.DEVNULL, stderr=log,
+                procs.append((cluster.run(r // slots, cmd, stdout=subprocess.DEVNULL, stderr=log,
                                           cwd=os.getcwd(), env=env), log))
             deadline = time.monotonic() + timeout
             for r, (p, log) in enumerate(procs):
@@ -235,8 +238,9 @@ def measure(solver: Path, workers: int, scheme: str, bits_per_s: float, compute:
 
 def run_bench(solver: Path, workers: list[int], schemes: list[str], bits_per_s: float,
               compute: str, trace_path: Path | None, time_scale: float, iters: int,
-              warmup: int, say: Any = print) -> list[Measurement]:
-    """Every (P, scheme); P = 1 is one plain process, once. Speedups are against it."""
+              warmup: int, say: Any = print, slots: int = 1) -> list[Measurement]:
+    """Every (P, scheme); P = 1 is one plain process, once. Speedups are against it. With
+    ``slots``, P workers run ``slots`` to an emulated host."""
     info = net_info(solver)
     if compute == "replay":
         trace = load_trace(trace_path)  # type: ignore[arg-type]
@@ -248,10 +252,13 @@ def run_bench(solver: Path, workers: list[int], schemes: list[str], bits_per_s: 
     for p in sorted(set(workers) | {1}):
         for scheme in (["-"] if p == 1 else schemes):
             period, stats, cpu, link = measure(solver, p, scheme if p > 1 else "ps", bits_per_s,
-                                               compute, trace_path, time_scale, iters, warmup)
+                                               compute, trace_path, time_scale, iters, warmup,
+                                               slots=slots)
             device = cpu_device(2 * p if p > 1 else 1)
-            pred = predict(info, trace.scaled(scale) if scale != 1 else trace, p,
-                           split_variant(scheme)[0] if p > 1 else "ps", link, device)
+            comm, extra = split_variant(scheme) if p > 1 else ("ps", [])
+            pred = predict(info, trace.scaled(scale) if scale != 1 else trace, p, comm, link,
+                           device, slots=slots if p > slots else 1,
+                           levels="--no-levels" not in extra)
             net_bytes = sum(r["net_sent_per_iter"] + r["net_recv_per_iter"]
                             for r in stats.get("layers", []))
             m = Measurement(p, scheme, compute, period / scale, pred.iteration_s / scale,

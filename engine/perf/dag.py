@@ -34,6 +34,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from engine.comm.levels import shared
 from engine.comm.planner import COMM_MODES, LayerInfo, plan_layers
 from engine.comm.schemes import SCHEMES as SCHEME_CLASSES
 from engine.comm.schemes.base import Device, LayerTiming
@@ -106,8 +107,11 @@ def missing_layers(info: NetInfo, trace: Trace) -> list[str]:
 
 
 def predict(info: NetInfo, trace: Trace, workers: int, scheme: str, link: Link,
-            device: Device | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Prediction:
-    """The steady-state iteration of ``workers`` workers synchronising by ``scheme``."""
+            device: Device | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+            slots: int = 1, local_link: Link | None = None, levels: bool = True) -> Prediction:
+    """The steady-state iteration of ``workers`` workers synchronising by ``scheme``;
+    ``slots`` of them per machine, reducing inside each machine first (``levels``) or each a
+    node of its own sharing its machine's link with its mates."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
     if workers < 1:
@@ -120,13 +124,20 @@ def predict(info: NetInfo, trace: Trace, workers: int, scheme: str, link: Link,
         update = sum(device.update_s(i.params * i.itemsize) for i in info.params)
         it = compute + update
         return Prediction(scheme, 1, batch, it, compute, 0.0, batch / it if it else 0.0)
-    plans = plan_layers(info.params, workers, comm=scheme, link=link, device=device,
-                        chunk_bytes=chunk_bytes)
-    chunks = _chunk_bytes_by_layer([pl.info for pl in plans if pl.scheme == "ps"], workers,
-                                   chunk_bytes)
-    costs = {pl.info.layer: _layer_costs(pl.info, pl.scheme, workers, link, device,
-                                         chunks.get(pl.info.layer, []), chunk_bytes)
-             for pl in plans}
+    if slots > 1 and workers > slots and levels:  # each scheme's two-level cost
+        plans = plan_layers(info.params, workers, comm=scheme, link=link, device=device,
+                            chunk_bytes=chunk_bytes, slots=slots, local_link=local_link)
+        costs = {pl.info.layer: pl.timings[pl.scheme] for pl in plans}
+    else:
+        if slots > 1:  # flat: every worker of a machine sends through its one link at once
+            link = shared(link, slots)
+        plans = plan_layers(info.params, workers, comm=scheme, link=link, device=device,
+                            chunk_bytes=chunk_bytes)
+        chunks = _chunk_bytes_by_layer([pl.info for pl in plans if pl.scheme == "ps"],
+                                       workers, chunk_bytes)
+        costs = {pl.info.layer: _layer_costs(pl.info, pl.scheme, workers, link, device,
+                                             chunks.get(pl.info.layer, []), chunk_bytes)
+                 for pl in plans}
     ready = {layer: 0.0 for layer in costs}  # when each layer's update is applied
     starts = []
     t = 0.0
@@ -158,13 +169,16 @@ def predict(info: NetInfo, trace: Trace, workers: int, scheme: str, link: Link,
 
 def sweep(info: NetInfo, trace: Trace, workers: Sequence[int], schemes: Sequence[str],
           link: Link, device: Device | None = None,
-          chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[Prediction]:
-    """Every (scheme, P), with speedup and efficiency against one worker (same batch each)."""
+          chunk_bytes: int = DEFAULT_CHUNK_BYTES, slots: int = 1,
+          local_link: Link | None = None) -> list[Prediction]:
+    """Every (scheme, P), with speedup and efficiency against one worker (same batch each);
+    with ``slots`` workers per machine, P counts workers (a multiple of ``slots``)."""
     one = predict(info, trace, 1, schemes[0], link, device, chunk_bytes)
     out = []
     for scheme in schemes:
         for p in workers:
-            pr = predict(info, trace, p, scheme, link, device, chunk_bytes)
+            pr = predict(info, trace, p, scheme, link, device, chunk_bytes,
+                         slots=slots if p >= slots else 1, local_link=local_link)
             pr.speedup = pr.images_per_s / one.images_per_s if one.images_per_s else 0.0
             pr.efficiency = pr.speedup / p
             out.append(pr)
