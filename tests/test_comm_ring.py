@@ -29,9 +29,11 @@ def grads(rank: int, rnd: int, shapes: dict) -> dict:
 
 
 def run(world: int, comm: str, rounds: int = 2, chunk_bytes: int = 64, fusion_bytes: int = 0,
-        wire: str = "fp32", shapes: dict = SHAPES, make_grads=grads) -> dict:
+        wire: str = "fp32", shapes: dict = SHAPES, make_grads=grads, plan: dict | None = None
+        ) -> dict:
     """Train ``rounds`` rounds of synthetic gradients; per rank: every layer's mean gradient
-    per round as the update saw it, the skipped rounds, and the byte counters."""
+    per round as the update saw it (absent: skipped), the byte counters, the units and the
+    codec. ``plan``: more of make_plan's arguments (the sparse codec's)."""
     hosts = local_hosts(world)
     shards = comm in ("ps", "auto", "hybrid")
     infos = [LayerInfo(l, f"l{l}", ss) for l, ss in shapes.items()]
@@ -55,7 +57,7 @@ def run(world: int, comm: str, rounds: int = 2, chunk_bytes: int = 64, fusion_by
             ep = open_worker(rank, hosts, key=KEY, timeout=10, shards=shards)
             sync = Syncer(ep, slots, update, chunk_bytes=chunk_bytes, planner=lambda link: make_plan(
                 infos, world, comm, link=link, chunk_bytes=chunk_bytes, codec=wire,
-                fusion_bytes=fusion_bytes))
+                fusion_bytes=fusion_bytes, **(plan or {})))
             for rnd in range(rounds):
                 for l in shapes:
                     sync.wait(l)
@@ -67,7 +69,7 @@ def run(world: int, comm: str, rounds: int = 2, chunk_bytes: int = 64, fusion_by
                         b.diff[...] = d
                     sync.release(l)
             sync.close()
-            results[rank] = (seen, ep.stats.summary(), sync.units)
+            results[rank] = (seen, ep.stats.summary(), sync.units, sync.codec)
         except Exception as e:
             errors.append(f"worker {rank}: {type(e).__name__}: {e}")
 
@@ -179,7 +181,7 @@ def test_fp16_overflow_skips_the_update_everywhere_and_halves_the_scale():
 
     res = run(2, "ring", rounds=4, wire="fp16", shapes=shapes, make_grads=big)
     for rank in (0, 1):
-        seen, stats, _ = res[rank]
+        seen, stats = res[rank][:2]
         assert stats["fp16_skipped_updates"] == 2 and stats["fp16_min_scale"] == 64
         # the update ran for the two rounds after the skipped ones, with the exact mean
         assert sorted(seen) == [(0, 0), (0, 1)]

@@ -44,6 +44,7 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
     from engine.context import RunContext
     from engine.perf.link import LinkError, parse_link
     from engine.solver import Solver
+    from engine.solvers import SolverError
 
     key = job_key(config.key_file)
     if key is None:
@@ -67,6 +68,13 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
     for w in config.weights:
         solver.load_weights(w)
     slots, infos = describe_net(solver.net)
+    momentum = 0.0  # sparse's momentum correction: the codec keeps the solver's momentum
+    if config.sparse and config.momentum_correction:
+        try:
+            momentum = solver.sync_momentum()
+        except SolverError as e:
+            solver.close()
+            raise CommError(f"--sparse: {e}; give --no-momentum-correction") from None
     try:
         link = parse_link(config.link) if config.link is not None else None
     except LinkError as e:
@@ -74,11 +82,13 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
         raise CommError(f"--link: {e}") from None
     total = solver.images_per_iter()  # the data layers stride over every rank's share
     stats = CommStats()
-    stats.extra.update(rank=rank, world_size=world, comm=config.comm, wire=config.wire)
+    stats.extra.update(rank=rank, world_size=world, comm=config.comm, wire=config.wire,
+                       sparse=config.sparse)
 
     def make_plan(probed: Any) -> Any:  # rank 0's: every worker follows the plan it sends
         plan = plan_for(solver.net, infos, world, config, probed,
-                        allow_sfb=solver.param.iter_size == 1, on_gpu=gpu is not None)
+                        allow_sfb=solver.param.iter_size == 1, on_gpu=gpu is not None,
+                        momentum=momentum)
         glog.info(plan_table(plan, world))
         glog.info(f"The losses and outputs below are rank 0's, over its {total // world} of the "
                   f"{total} images of each iteration")
@@ -120,9 +130,10 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
                 for line in stats.format_lines():
                     glog.info(line)
 
-        solver.attach_sync(Syncer(ep, slots, solver.update_layer, planner=make_plan, link=link,
-                                  chunk_bytes=config.chunk_bytes, priority=config.priority,
-                                  on_round_done=report))
+        sync = Syncer(ep, slots, solver.update_layer, planner=make_plan, link=link,
+                      chunk_bytes=config.chunk_bytes, priority=config.priority,
+                      on_round_done=report)
+        solver.attach_sync(sync, momentum_by_sync=sync.momentum_layers)
         with signal_requests(solver, config.signal_effects):
             try:
                 solver.solve(resume_file=config.snapshot)
@@ -152,9 +163,10 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
 
 
 def plan_for(net: Any, infos: list[Any], world: int, config: JobConfig, link: Any,
-             allow_sfb: bool, on_gpu: bool) -> Any:
+             allow_sfb: bool, on_gpu: bool, momentum: float) -> Any:
     """Rank 0's plan for ``net`` on ``link``: this machine's probed speeds, and the backward
-    time of every layer estimated from its arithmetic (for --fusion-ms)."""
+    time of every layer estimated from its arithmetic (for --fusion-ms). ``momentum``: what
+    the sparse codec applies (its momentum correction; 0: none)."""
     from engine.comm.planner import make_plan
     from engine.comm.probe import probe_device
     from engine.perf.flops import DeviceSpeed, trace_from_flops
@@ -167,8 +179,8 @@ def plan_for(net: Any, infos: list[Any], world: int, config: JobConfig, link: An
         trace = trace_from_flops(facts_of(net, infos), speed)
         backward_s = [t.backward_ms / 1e3 for t in trace.layers]
     return make_plan(infos, world, config.comm, allow_sfb, link, device, config.chunk_bytes,
-                     config.wire, int(config.fusion_mb * (1 << 20)), config.fusion_ms / 1e3,
-                     backward_s)
+                     config.codec, int(config.fusion_mb * (1 << 20)), config.fusion_ms / 1e3,
+                     backward_s, config.sparse, config.sparse_warmup, momentum)
 
 
 def main(argv: list[str] | None = None) -> None:
