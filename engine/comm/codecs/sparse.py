@@ -34,7 +34,8 @@ never lost. Unlike DGC, ``u`` is not masked where a chunk was sent: DGC sends 0.
 each rarely, while here a tenth of the chunks travels and the largest travel every round, so
 masking would reset their momentum every round (plain SGD, a tenth of the step, where the
 gradient matters most) and would drop momentum altogether in dense rounds. Unmasked, a dense
-round is exactly momentum SGD. The rate multiplies the velocity (as PyTorch's SGD does) rather
+round is exactly momentum SGD. (Measured with benchmarks/bench_wire_accuracy.py, LeNet, 4
+workers, 2,000 iterations: unmasked 0.08 points below dense fp32, masked 0.39 below.) The rate multiplies the velocity (as PyTorch's SGD does) rather
 than each gradient inside it (as Caffe's does): the same for a fixed rate; under a decaying rate
 older gradients take today's rate (LeNet's "inv" policy changes it by 7.5e-5 per iteration).
 """
