@@ -26,14 +26,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 from google.protobuf import text_format
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_comm import free_base_port, one_thread_env
 from engine.caffe_io import read_net_prototxt, read_solver_prototxt
+from engine.comm.hosts import free_base_port
+from engine.perf.bench_train import one_thread_env
 from engine.pb import caffe_pb2
 
 TOTAL_BATCH = 64
@@ -79,15 +81,18 @@ def write_run(d: Path, data: Path, batch: int, iters: int) -> Path:
     return path
 
 
-def run(work: Path, data: Path, workers: int, iters: int, comm: str) -> dict:
+def run(work: Path, data: Path, workers: int, iters: int, comm: str, flags: Sequence[str] = (),
+        name: str | None = None) -> dict:
+    """Train with ``workers`` local workers (more `poseidon train` ``flags``) in work/``name``."""
     batch = TOTAL_BATCH // workers
-    d = work / f"p{workers}"
+    d = work / (name or f"p{workers}")
     cmd = [sys.executable, "-m", "poseidon_cli.main", "train", "--solver",
            str(write_run(d, data, batch, iters))]
     if workers > 1:
         base = free_base_port(workers)
         (d / "hosts").write_text("".join(f"127.0.0.1:{base + 2 * i}\n" for i in range(workers)))
-        cmd += ["--hosts", str(d / "hosts"), "--comm", comm, "--stats", str(d / "stats.json")]
+        cmd += ["--hosts", str(d / "hosts"), "--comm", comm, "--stats", str(d / "stats.json"),
+                *flags]
     t0 = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=one_thread_env(),
                           check=False)
@@ -107,9 +112,15 @@ def run(work: Path, data: Path, workers: int, iters: int, comm: str) -> dict:
            "wall_images_per_s": iters * TOTAL_BATCH / wall}
     if workers > 1:
         s = json.loads((d / "stats.json").read_text())
+        index = [r for r in s["layers"] if r["scheme"].endswith("/index")]
         out.update(plan={p["layer"]: p["scheme"] for p in s["plan"]},
                    replicas_identical=s.get("replicas_identical"),
-                   wait_ms_per_iter=1e3 * s["wait_s_per_iter"], hidden_fraction=s["hidden_fraction"])
+                   wait_ms_per_iter=1e3 * s["wait_s_per_iter"], hidden_fraction=s["hidden_fraction"],
+                   # what rank 0 sent per iteration: gradient values, and a codec's index
+                   sent_bytes_per_iter=sum(r["all_sent_per_iter"] for r in s["layers"]
+                                           if r not in index),
+                   index_bytes_per_iter=sum(r["all_sent_per_iter"] for r in index),
+                   codec={k: v for k, v in s.items() if k.startswith(("fp16_", "sparse_"))})
     return out
 
 

@@ -7,7 +7,9 @@ numbers and the log (Caffe's tools parse the log). Two things go beyond Caffe:
   parameters that layer ``l`` owns. With a sync attached (``attach_sync``), the last backward
   pass of an iteration hands each finished layer to ``sync.release(l)``, which averages the
   gradients over the workers and calls ``update_layer(l)`` back; the next forward calls
-  ``sync.wait(l)`` before layer ``l`` runs (wait-free backpropagation, DESIGN.md).
+  ``sync.wait(l)`` before layer ``l`` runs (wait-free backpropagation, DESIGN.md). A sync may
+  take SGD's momentum over for some layers (sparse communication's momentum correction): their
+  gradients are then regularized before release and updated without the solver's history.
 - **Exact resume.** The solverstate records the train data layers' stream positions
   (SolverState.data_position, a Poseidon field Caffe ignores); a Caffe solverstate, which has
   none, resumes where Caffe's uninterrupted run would be: iter * batch * iter_size
@@ -25,7 +27,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Collection, Protocol
 
 import numpy as np
 
@@ -180,6 +182,8 @@ class Solver:
         self.smoothed_loss = 0.0
         self._losses: list[float] = []
         self._sync: GradientSync | None = None
+        #: learnable params whose momentum the sync applies (attach_sync's momentum_by_sync)
+        self._momentum_by_sync: frozenset[int] = frozenset()
         self._requests: list[str] = []
         #: the newest snapshot of this run (written, or resumed from); None before any
         self.last_snapshot: Path | None = None
@@ -313,9 +317,32 @@ class Solver:
             copy_weights_into(net, path)
 
     # -- the sync hook --------------------------------------------------------------------
-    def attach_sync(self, sync: GradientSync | None) -> None:
-        """Let ``sync`` average gradients per layer and drive ``update_layer`` (None: detach)."""
+    def attach_sync(self, sync: GradientSync | None, momentum_by_sync: Collection[int] = ()
+                    ) -> None:
+        """Let ``sync`` average gradients per layer and drive ``update_layer`` (None: detach).
+
+        ``momentum_by_sync``: layers whose SGD momentum ``sync`` applies itself, at the rate
+        ``sync_momentum()`` gave it (engine/comm/codecs/sparse.py). Their gradients are
+        normalized and regularized before release, since the momentum carries the weight decay
+        as Caffe's does, and their update is ``data -= rate * diff``, without this solver's
+        history."""
+        if momentum_by_sync:
+            self.sync_momentum()
         self._sync = sync
+        self._momentum_by_sync = frozenset(i for layer in momentum_by_sync
+                                           for i in self._layer_params.get(layer, ()))
+
+    def sync_momentum(self) -> float:
+        """The momentum a sync must apply when it takes this solver's momentum over; a
+        SolverError when it cannot: only SGD's momentum is a velocity a sync can keep, and
+        clipping needs every gradient before any update."""
+        if self.type != "SGD":
+            raise SolverError(f"solver {self.source}: momentum correction keeps SGD's momentum, "
+                              f"and this solver is {self.type}")
+        if self.param.clip_gradients >= 0:
+            raise SolverError(f"solver {self.source}: momentum correction cannot clip gradients "
+                              "(clip_gradients)")
+        return float(self.param.momentum)
 
     def update_layer(self, layer_index: int) -> None:
         """Normalize, regularize, compute and apply the update of the params layer owns.
@@ -342,15 +369,30 @@ class Solver:
             self._update_param(i)
 
     def _update_param(self, i: int) -> None:
+        blob = self.net.learnable_params[i]
+        local_rate = float(f32(self.rate) * f32(self.net.params_lr[i]))
+        if i in self._momentum_by_sync:  # the sync's mean is the velocity (see attach_sync)
+            blob.diff *= f32(local_rate)
+        else:
+            self._preprocess(i)
+            hist = [self.history[k * self._n_params + i] for k in range(self.rule.histories)]
+            self.rule.compute(blob.diff, hist, local_rate, self._update_iter)
+        blob.data -= blob.diff
+
+    def _preprocess(self, i: int) -> None:
+        """Caffe's Normalize and Regularize of param ``i``'s gradient."""
         p = self.param
         blob = self.net.learnable_params[i]
         normalize(blob.diff, p.iter_size)
         regularize(blob.data, blob.diff, float(f32(p.weight_decay) * f32(self.net.params_weight_decay[i])),
                    p.regularization_type)
-        local_rate = float(f32(self.rate) * f32(self.net.params_lr[i]))
-        hist = [self.history[k * self._n_params + i] for k in range(self.rule.histories)]
-        self.rule.compute(blob.diff, hist, local_rate, self._update_iter)
-        blob.data -= blob.diff
+
+    def _release(self, layer_index: int) -> None:
+        """Hand a layer's final gradients to the sync (the last backward pass's hook)."""
+        for i in self._layer_params.get(layer_index, ()):
+            if i in self._momentum_by_sync:
+                self._preprocess(i)
+        self._sync.release(layer_index)  # type: ignore[union-attr]
 
     def _begin_update(self) -> None:
         """Fix this iteration's rate before any of its updates can run (they may run on the
@@ -396,7 +438,7 @@ class Solver:
             loss += f32(self.net.forward_prefilled(before_layer=before))
             if k == n - 1:
                 self._begin_update()
-            self.net.backward(on_layer_done=sync.release if sync is not None and k == n - 1 else None)
+            self.net.backward(on_layer_done=self._release if sync is not None and k == n - 1 else None)
         return float(loss / f32(n))
 
     def _update_smoothed_loss(self, loss: float, start_iter: int) -> None:

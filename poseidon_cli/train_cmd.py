@@ -83,6 +83,17 @@ def solver_gpu(solver: str) -> list[int] | None:
 @click.option("--wire", type=click.Choice(list(CODECS)), default="fp32", show_default=True,
               help="Gradients on the wire: float32, or float16 (half the bytes; sums in "
               "float32; an overflow skips that layer's update and halves its scale).")
+@click.option("--sparse", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=None,
+              metavar="RATIO", help="Coarse-grained sparse communication: per PS / ring layer and "
+              "iteration only this fraction of 256-value chunks travels, those with the largest "
+              "L1 norm over all workers (plus one float per chunk); the rest waits in a local "
+              "residual. float32 values (not with --wire fp16); SFB layers stay dense.")
+@click.option("--sparse-warmup", type=click.IntRange(min=0), default=None, metavar="N",
+              help="With --sparse: the first N iterations send everything.  [default: 0]")
+@click.option("--momentum-correction/--no-momentum-correction", default=None,
+              help="With --sparse: the residual accumulates SGD's momentum, which the solver "
+              "then does not apply again (DGC's momentum correction; needs an SGD solver).  "
+              "[default: on]")
 @click.option("--fusion-mb", type=click.FloatRange(min=0), default=4.0, show_default=True,
               help="Fuse consecutive small PS / ring layers into buckets of at most this many "
               "MB (0: no fusion; 4 measured best, see the README).")
@@ -125,6 +136,7 @@ def solver_gpu(solver: str) -> list[int] | None:
 def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | None,
           pin: str | None, hosts: str | None, host_list: str | None, nproc: int | None,
           rank: int | None, comm: str, wire: str,
+          sparse: float | None, sparse_warmup: int | None, momentum_correction: bool | None,
           fusion_mb: float, fusion_ms: float, link: str | None, priority: bool, levels: bool,
           key_file: str | None, launch: str, stats: str | None,
           timeout: float, chunk_bytes: int, sigint_effect: str, sighup_effect: str,
@@ -147,6 +159,8 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
         gpus = parse_gpus(pin or gpu) if (pin or gpu) is not None else solver_gpu(solver)
     # SIGTERM (SLURM's and Kubernetes' notice before they kill) does what SIGINT does
     effects = {"SIGINT": sigint_effect, "SIGTERM": sigint_effect, "SIGHUP": sighup_effect}
+    if sparse is None and (sparse_warmup is not None or momentum_correction is not None):
+        fail("--sparse-warmup and --momentum-correction set up --sparse: give --sparse RATIO")
     if nproc is not None and (hosts is not None or rank is not None):
         fail("-n starts local workers on free ports: give -n or --hosts/--rank, not both")
     pinned = tuple(gpus or ()) if pin is not None else None
@@ -160,6 +174,8 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
                            if managed else f"-n {nproc}")
         with user_errors():
             config = JobConfig(solver=solver, hosts=source, comm=comm, wire=wire,
+                               sparse=sparse or 0.0, sparse_warmup=sparse_warmup or 0,
+                               momentum_correction=momentum_correction is not False,
                                fusion_mb=fusion_mb, fusion_ms=fusion_ms, link=link,
                                priority=priority, levels=levels, timeout=timeout,
                                chunk_bytes=chunk_bytes, weights=tuple(weight_files),
@@ -170,6 +186,8 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
                                key_file=key_file)
             launcher.start(config, managed, hosts, host_list, nproc, rank, launch)
         return
+    if sparse is not None:
+        fail("--sparse compresses the gradients workers exchange: give --hosts or -n")
     if key_file is not None:
         fail("--key-file authenticates the processes of a distributed run: give --hosts or -n")
     if log_dir is not None:

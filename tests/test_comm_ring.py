@@ -29,11 +29,12 @@ def grads(rank: int, rnd: int, shapes: dict) -> dict:
 
 
 def run(world: int, comm: str, rounds: int = 2, chunk_bytes: int = 64, fusion_bytes: int = 0,
-        wire: str = "fp32", shapes: dict = SHAPES, make_grads=grads, hosts=None,
-        factors: dict | None = None, levels: bool = True) -> dict:
+        wire: str = "fp32", shapes: dict = SHAPES, make_grads=grads, plan: dict | None = None,
+        hosts=None, factors: dict | None = None, levels: bool = True) -> dict:
     """Train ``rounds`` rounds of synthetic gradients; per rank: every layer's mean gradient
-    per round as the update saw it, the skipped rounds, and the byte counters. ``hosts``: a
-    host table (default: ``world`` machines of one worker on loopback); ``factors``: layer ->
+    per round as the update saw it (absent: skipped), the byte counters, the units and the
+    codec. ``plan``: more of make_plan's arguments (the sparse codec's); ``hosts``: a host
+    table (default: ``world`` machines of one worker on loopback); ``factors``: layer ->
     (K, M, N) for layers whose gradient is uᵀ·v of the generator's factors (SFB)."""
     hosts = hosts or local_hosts(world)
     factors = factors or {}
@@ -65,7 +66,7 @@ def run(world: int, comm: str, rounds: int = 2, chunk_bytes: int = 64, fusion_by
             sync = Syncer(ep, slots, update, chunk_bytes=chunk_bytes, levels=levels,
                           planner=lambda link, local_link: make_plan(
                               infos, world, comm, link=link, chunk_bytes=chunk_bytes, codec=wire,
-                              fusion_bytes=fusion_bytes))
+                              fusion_bytes=fusion_bytes, **(plan or {})))
             for rnd in range(rounds):
                 for l in shapes:
                     sync.wait(l)
@@ -78,7 +79,7 @@ def run(world: int, comm: str, rounds: int = 2, chunk_bytes: int = 64, fusion_by
                         b.diff[...] = d
                     sync.release(l)
             sync.close()
-            results[rank] = (seen, ep.stats.summary(), sync.units)
+            results[rank] = (seen, ep.stats.summary(), sync.units, sync.codec)
         except Exception as e:
             errors.append(f"worker {rank}: {type(e).__name__}: {e}")
 
@@ -190,7 +191,7 @@ def test_fp16_overflow_skips_the_update_everywhere_and_halves_the_scale():
 
     res = run(2, "ring", rounds=4, wire="fp16", shapes=shapes, make_grads=big)
     for rank in (0, 1):
-        seen, stats, _ = res[rank]
+        seen, stats = res[rank][:2]
         assert stats["fp16_skipped_updates"] == 2 and stats["fp16_min_scale"] == 64
         # the update ran for the two rounds after the skipped ones, with the exact mean
         assert sorted(seen) == [(0, 0), (0, 1)]

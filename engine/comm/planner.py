@@ -28,6 +28,7 @@ from typing import Sequence
 from engine.pb import poseidon_pb2 as pb
 from engine.perf.link import Link
 
+from .codecs import make_codec
 from .fusion import buckets
 from .schemes import SCHEMES
 from .schemes.base import Device, LayerTiming
@@ -189,6 +190,7 @@ class Plan:
     codec: str = "fp32"
     sparse_ratio: float = 0.0
     sparse_warmup: int = 0
+    sparse_momentum: float = 0.0
     #: workers per machine (two levels when > 1) and the link inside a machine
     slots: int = 1
     local_link: Link = DEFAULT_LOCAL_LINK
@@ -197,7 +199,7 @@ class Plan:
         return pb.Plan(units=[pb.UnitPlan(layers=l, scheme=s) for l, s in self.units],
                        alpha_s=self.link.alpha_s, beta_s_per_byte=self.link.beta_s_per_byte,
                        codec=self.codec, sparse_ratio=self.sparse_ratio,
-                       sparse_warmup=self.sparse_warmup)
+                       sparse_warmup=self.sparse_warmup, sparse_momentum=self.sparse_momentum)
 
 
 def make_plan(layers: Sequence[LayerInfo], world: int, comm: str = "auto",
@@ -205,8 +207,12 @@ def make_plan(layers: Sequence[LayerInfo], world: int, comm: str = "auto",
               chunk_bytes: int = DEFAULT_CHUNK_BYTES, codec: str = "fp32",
               fusion_bytes: int = 0, fusion_s: float = float("inf"),
               backward_s: Sequence[float] | None = None, sparse_ratio: float = 0.0,
-              sparse_warmup: int = 0, slots: int = 1, local_link: Link | None = None) -> Plan:
+              sparse_warmup: int = 0, sparse_momentum: float = 0.0, slots: int = 1,
+              local_link: Link | None = None) -> Plan:
     """Rank 0's plan: schemes per layer, then fusion buckets of consecutive dense layers.
+
+    ``codec`` "sparse" takes ``sparse_ratio``, ``sparse_warmup`` and ``sparse_momentum``
+    (engine/comm/codecs/sparse.py); the cost model prices its layers as dense fp32.
 
     ``backward_s``: estimated backward seconds of every net layer (index = layer), for the
     ``fusion_s`` limit on how long a bucket's first layer may wait for its last."""
@@ -217,7 +223,7 @@ def make_plan(layers: Sequence[LayerInfo], world: int, comm: str = "auto",
     units = buckets([(p.info.layer, p.scheme, p.info.params * p.info.itemsize,
                       SCHEMES[p.scheme].dense) for p in plans],
                     fusion_bytes, fusion_s, backward_s)
-    return Plan(plans, units, link, codec, sparse_ratio, sparse_warmup, slots,
+    return Plan(plans, units, link, codec, sparse_ratio, sparse_warmup, sparse_momentum, slots,
                 local_link or DEFAULT_LOCAL_LINK)
 
 
@@ -232,7 +238,7 @@ def plan_table(plan: Plan | Sequence[LayerPlan], p1: int) -> str:
     if isinstance(plan, Plan):
         head += (f"; link alpha {plan.link.alpha_s * 1e6:.1f} us, "
                  f"{plan.link.bits_per_s / 1e9:.2f} Gbit/s ({plan.link.source}); "
-                 f"wire {plan.codec}")
+                 f"wire {make_codec(plan.codec, plan.to_pb()).describe()}")
     rows = [head, "(bytes sent+received per node per iteration; time: release to applied, "
             "alone on the link)",
             f"{'layer':<16} {'shape':<24} {'scheme':<6} {'bytes/iter':>12} {'time':>9} "

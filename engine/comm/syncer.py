@@ -76,7 +76,8 @@ def frame_limit(slots: Mapping[int, LayerSlot], world: int,
     chunks = 0
     for s in slots.values():
         nbytes = s.count * 8
-        chunks += 2 * (math.ceil(nbytes / chunk_bytes) + world)  # values and a codec's index
+        # values, a codec's index, and its whole vector (sparse's dense rounds)
+        chunks += 3 * (math.ceil(nbytes / chunk_bytes) + world)
         if s.factor_shape is not None:
             k, m, n = s.factor_shape
             biggest = max(biggest, 8 * world * k * max(m, n))
@@ -252,6 +253,15 @@ class Syncer:
                                  self.chunk_bytes) for name in sorted({u.scheme for u in units})}
         self._receivers = {tag: s for s in schemes.values() for tag in s.tags()}
         self._schemes = schemes  # from here on, DATA messages can be checked
+
+    @property
+    def momentum_layers(self) -> list[int]:
+        """The layers whose momentum the codec applies (sparse's momentum correction): those of
+        the dense units; the solver must not apply it again (``Solver.attach_sync``)."""
+        if not self.codec.momentum:
+            return []
+        return sorted(s.layer for u in self.units.values() if SCHEMES[u.scheme].dense
+                      for s in u.layers)
 
     def _fail(self, reason: str) -> None:
         self.ep.fatal(reason)

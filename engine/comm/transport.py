@@ -88,12 +88,16 @@ def header(kind: int, **fields: object) -> pb.Header:
     return pb.Header(kind=kind, **fields)
 
 
+#: Header.phase of a codec's index vectors (sparse's chunk norms); every other phase is values
+INDEX_PHASE = 1
+
+
 def byte_tag(hdr: pb.Header) -> str | None:
     """The tag a DATA message's bytes are counted under: the scheme that set it, and
     '<scheme>/index' for a codec's index vectors. None: not counted (control traffic)."""
     if hdr.kind != pb.DATA:
         return None
-    return hdr.scheme if hdr.phase == 0 else f"{hdr.scheme}/index"
+    return f"{hdr.scheme}/index" if hdr.phase == INDEX_PHASE else hdr.scheme
 
 
 class Endpoint:

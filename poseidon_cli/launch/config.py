@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.comm.codecs import CODECS
+from engine.comm.codecs import WIRES
 from engine.comm.errors import CommError
 from engine.comm.planner import split_comm
 from engine.comm.schemes.ps import DEFAULT_CHUNK_BYTES
@@ -27,8 +27,14 @@ class JobConfig:
     comm: str = "auto"
     timeout: float = 30.0
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    #: the gradients' encoding on the wire (engine/comm/codecs.py)
+    #: the gradients' encoding on the wire (engine/comm/codecs)
     wire: str = "fp32"
+    #: coarse-grained sparse communication: the fraction of chunks sent per round (0: dense)
+    sparse: float = 0.0
+    #: with sparse: the first rounds that send everything
+    sparse_warmup: int = 0
+    #: with sparse: the codec keeps SGD's momentum (DGC's momentum correction)
+    momentum_correction: bool = True
     #: fusion buckets: at most this many MB, nor a first layer waiting longer than fusion_ms
     fusion_mb: float = 4.0
     fusion_ms: float = 5.0
@@ -60,8 +66,15 @@ class JobConfig:
             split_comm(self.comm)
         except ValueError as e:
             raise CommError(str(e)) from None
-        if self.wire not in CODECS:
-            raise CommError(f"--wire must be one of {', '.join(CODECS)}, got {self.wire!r}")
+        if self.wire not in WIRES:
+            raise CommError(f"--wire must be one of {', '.join(WIRES)}, got {self.wire!r}")
+        if not 0 <= self.sparse < 1:
+            raise CommError(f"--sparse must be a fraction between 0 and 1, got {self.sparse:g}")
+        if self.sparse and self.wire != "fp32":
+            raise CommError("--sparse sends float32 values: give it without --wire fp16")
+        if self.sparse_warmup < 0 or (self.sparse_warmup and not self.sparse):
+            raise CommError(f"--sparse-warmup {self.sparse_warmup}: the dense rounds before "
+                            "--sparse starts, >= 0 and only with --sparse")
         if not (self.fusion_mb >= 0 and self.fusion_ms >= 0):
             raise CommError(f"--fusion-mb and --fusion-ms must be >= 0, got {self.fusion_mb:g} "
                             f"and {self.fusion_ms:g}")
@@ -73,6 +86,11 @@ class JobConfig:
             if sig not in ("SIGINT", "SIGTERM", "SIGHUP") or action not in SIGNAL_ACTIONS:
                 raise CommError(f"signal effect {sig}={action!r}: expected SIGINT, SIGTERM or "
                                 f"SIGHUP = {' | '.join(SIGNAL_ACTIONS)}")
+
+    @property
+    def codec(self) -> str:
+        """The plan's codec (engine/comm/codecs)."""
+        return "sparse" if self.sparse else self.wire
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -114,6 +132,9 @@ def _check(name: str, value: Any) -> None:
         "time_scale": _number(value),
         "fusion_mb": _number(value),
         "fusion_ms": _number(value),
+        "sparse": _number(value),
+        "sparse_warmup": isinstance(value, int) and not isinstance(value, bool),
+        "momentum_correction": isinstance(value, bool),
         "priority": isinstance(value, bool),
         "levels": isinstance(value, bool),
         "pin_gpus": isinstance(value, bool),

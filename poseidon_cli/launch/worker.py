@@ -48,6 +48,7 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
     from engine.context import RunContext
     from engine.perf.link import LinkError, parse_link
     from engine.solver import Solver
+    from engine.solvers import SolverError
 
     key = job_key(config.key_file)
     if key is None:
@@ -71,6 +72,13 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
     for w in config.weights:
         solver.load_weights(w)
     slots, infos = describe_net(solver.net)
+    momentum = 0.0  # sparse's momentum correction: the codec keeps the solver's momentum
+    if config.sparse and config.momentum_correction:
+        try:
+            momentum = solver.sync_momentum()
+        except SolverError as e:
+            solver.close()
+            raise CommError(f"--sparse: {e}; give --no-momentum-correction") from None
     try:
         link = parse_link(config.link) if config.link is not None else None
     except LinkError as e:
@@ -78,11 +86,13 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
         raise CommError(f"--link: {e}") from None
     total = solver.images_per_iter()  # the data layers stride over every rank's share
     stats = CommStats()
-    stats.extra.update(rank=rank, world_size=world, comm=config.comm, wire=config.wire)
+    stats.extra.update(rank=rank, world_size=world, comm=config.comm, wire=config.wire,
+                       sparse=config.sparse)
 
     def make_plan(probed: Any, local: Any) -> Any:  # rank 0's: every worker follows it
         plan = plan_for(solver.net, infos, entries, config, probed, local,
-                        allow_sfb=solver.param.iter_size == 1, on_gpu=gpu is not None)
+                        allow_sfb=solver.param.iter_size == 1, on_gpu=gpu is not None,
+                        momentum=momentum)
         glog.info(plan_table(plan, world))
         glog.info(f"The losses and outputs below are rank 0's, over its {total // world} of the "
                   f"{total} images of each iteration")
@@ -130,10 +140,10 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
                 for line in stats.format_lines():
                     glog.info(line)
 
-        solver.attach_sync(Syncer(ep, slots, solver.update_layer, planner=make_plan, link=link,
-                                  levels=config.levels,
-                                  chunk_bytes=config.chunk_bytes, priority=config.priority,
-                                  on_round_done=report))
+        sync = Syncer(ep, slots, solver.update_layer, planner=make_plan, link=link,
+                      levels=config.levels, chunk_bytes=config.chunk_bytes,
+                      priority=config.priority, on_round_done=report)
+        solver.attach_sync(sync, momentum_by_sync=sync.momentum_layers)
         with signal_requests(solver, config.signal_effects):
             try:
                 solver.solve(resume_file=config.snapshot)
@@ -163,10 +173,11 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
 
 
 def plan_for(net: Any, infos: list[Any], entries: list[Any], config: JobConfig, link: Any,
-             local_link: Any, allow_sfb: bool, on_gpu: bool) -> Any:
+             local_link: Any, allow_sfb: bool, on_gpu: bool, momentum: float) -> Any:
     """Rank 0's plan for ``net`` on the network ``link`` (and ``local_link`` inside a machine):
     this machine's probed speeds, and the backward time of every layer estimated from its
-    arithmetic (for --fusion-ms)."""
+    arithmetic (for --fusion-ms). ``momentum``: what the sparse codec applies (its momentum
+    correction; 0: none)."""
     from engine.comm.topology import Topology
     from engine.comm.planner import make_plan
     from engine.comm.probe import probe_device
@@ -182,8 +193,9 @@ def plan_for(net: Any, infos: list[Any], entries: list[Any], config: JobConfig, 
     topo = Topology.of(entries, 0)
     slots = topo.slots if config.levels and topo.two_level else 1
     return make_plan(infos, len(entries), config.comm, allow_sfb, link, device,
-                     config.chunk_bytes, config.wire, int(config.fusion_mb * (1 << 20)),
-                     config.fusion_ms / 1e3, backward_s, slots=slots, local_link=local_link)
+                     config.chunk_bytes, config.codec, int(config.fusion_mb * (1 << 20)),
+                     config.fusion_ms / 1e3, backward_s, config.sparse, config.sparse_warmup,
+                     momentum, slots=slots, local_link=local_link)
 
 
 def main(argv: list[str] | None = None) -> None:
