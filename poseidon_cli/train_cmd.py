@@ -10,7 +10,8 @@ import click
 
 from .main import fail, user_errors
 
-from .launch.config import SIGNAL_ACTIONS  # Caffe's -sigint_effect / -sighup_effect values
+# SIGNAL_ACTIONS: Caffe's -sigint_effect / -sighup_effect values
+from .launch.config import DEFAULT_SHARD_THREADS, SIGNAL_ACTIONS
 
 
 @contextlib.contextmanager
@@ -112,6 +113,9 @@ def solver_gpu(solver: str) -> list[int] | None:
               help="Seconds before a silent peer is declared lost.")
 @click.option("--chunk-bytes", type=int, default=4 << 20, show_default=True,
               help="Largest piece of a parameter one PS shard holds.")
+@click.option("--shard-threads", type=click.IntRange(min=0), default=DEFAULT_SHARD_THREADS,
+              show_default=True, help="Threads each PS shard sums its chunks on (chunks "
+              "pinned to them, summed in place); 0: on its receive thread, as before.")
 @click.option("--sigint-effect", type=click.Choice(SIGNAL_ACTIONS), default="stop",
               show_default=True, help="What SIGINT (Ctrl-C) and SIGTERM do at the next "
               "iteration: snapshot then stop, snapshot and go on, or nothing (Caffe's flag).")
@@ -132,8 +136,8 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
           hosts: str | None, nproc: int | None, rank: int | None, comm: str, wire: str,
           fusion_mb: float, fusion_ms: float, link: str | None, priority: bool,
           key_file: str | None, launch: str, stats: str | None,
-          timeout: float, chunk_bytes: int, sigint_effect: str, sighup_effect: str,
-          replay: str | None, time_scale: float, log_dir: str | None,
+          timeout: float, chunk_bytes: int, shard_threads: int, sigint_effect: str,
+          sighup_effect: str, replay: str | None, time_scale: float, log_dir: str | None,
           timeline: str | None) -> None:
     """Train a net from a Caffe solver, with Caffe's log lines and snapshots."""
     if weights and snapshot:
@@ -159,7 +163,8 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
             config = JobConfig(solver=solver, hosts=made or hosts, comm=comm, wire=wire,
                                fusion_mb=fusion_mb, fusion_ms=fusion_ms, link=link,
                                priority=priority, timeout=timeout,
-                               chunk_bytes=chunk_bytes, weights=tuple(weight_files),
+                               chunk_bytes=chunk_bytes, shard_threads=shard_threads,
+                               weights=tuple(weight_files),
                                snapshot=snapshot, gpus=tuple(gpus) if gpus is not None else None,
                                stats=stats, signal_effects=effects, replay=replay,
                                time_scale=time_scale, timeline=timeline, log_dir=log_dir,

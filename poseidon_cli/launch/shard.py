@@ -14,16 +14,18 @@ import sys
 
 from engine.comm.auth import KEY_ENV, job_key, key_hex
 from engine.comm.errors import CommError
+from engine.comm.shard import DEFAULT_THREADS
 
 #: after a fatal error, a process still busy computing is stopped this many seconds later
 EXIT_GRACE_S = 2.0
 
 
 def shard_command(index: int, hosts: str, timeout: float, max_frame_bytes: int,
-                  timeline: str | None = None) -> list[str]:
+                  threads: int, timeline: str | None = None) -> list[str]:
+    """``threads``: the shard's summing threads (0: on its receive thread)."""
     cmd = [sys.executable, "-m", "poseidon_cli.launch.shard", "--hosts", hosts,
            "--index", str(index), "--timeout", f"{timeout:g}",
-           "--max-frame-bytes", str(max_frame_bytes)]
+           "--max-frame-bytes", str(max_frame_bytes), "--threads", str(threads)]
     return cmd + (["--timeline", timeline] if timeline else [])
 
 
@@ -31,8 +33,8 @@ def shard_env(key: bytes) -> dict[str, str]:
     return {**os.environ, KEY_ENV: key_hex(key)}
 
 
-def run_shard(index: int, hosts: str, timeout: float, max_frame_bytes: int | None = None,
-              timeline: str | None = None) -> int:
+def run_shard(index: int, hosts: str, timeout: float, max_frame_bytes: int | None,
+              threads: int, timeline: str | None = None) -> int:
     from engine.comm.hosts import parse_hosts
     from engine.comm.shard import ShardServer
 
@@ -44,7 +46,7 @@ def run_shard(index: int, hosts: str, timeout: float, max_frame_bytes: int | Non
         from engine.perf import timeline as tl
         tl.start(timeline, f"shard {index}", f"shard{index}")
     srv = ShardServer(index, entries, key=key, timeout=timeout, exit_grace=EXIT_GRACE_S,
-                      max_frame_bytes=max_frame_bytes)
+                      max_frame_bytes=max_frame_bytes, threads=threads)
     try:
         srv.start()
         srv.serve()
@@ -67,13 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--max-frame-bytes", type=int, default=None)
     ap.add_argument("--timeline", default=None)
+    ap.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                    help="summing threads (0: on the receive thread)")
     args = ap.parse_args(argv)
     for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
         if sig is not None:
             signal.signal(sig, signal.SIG_IGN)
     try:
         return run_shard(args.index, args.hosts, args.timeout, args.max_frame_bytes,
-                         args.timeline)
+                         args.threads, args.timeline)
     except CommError as e:
         print(f"poseidon: error: {e}", file=sys.stderr)
         return 1

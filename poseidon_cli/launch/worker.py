@@ -95,7 +95,7 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
         tl.start(config.timeline, f"worker {rank}", f"worker{rank}")
     max_frame = frame_limit(slots, world, config.chunk_bytes)
     shard = subprocess.Popen(shard_command(rank, config.hosts, config.timeout, max_frame,
-                                           config.timeline),
+                                           config.shard_threads, config.timeline),
                              stderr=subprocess.PIPE, env=shard_env(key))
     shard_errors: list[str] = []
     ep = None
