@@ -6,6 +6,7 @@ worker, a process of its own that is stopped while a sum is on its way)."""
 from __future__ import annotations
 
 import itertools
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -19,10 +20,13 @@ from engine.comm.aggregate import ChunkSum, pin, sum_in_rank_order
 from engine.comm.errors import CommError
 from engine.comm.schemes.base import OVERFLOW_BIT, SNAPSHOT_BIT
 from engine.comm.schemes.ps import PSParam, make_layout
-from engine.comm.shard import ShardServer
+from engine.comm.shard import DEFAULT_THREADS, ShardServer
 from engine.comm.transport import Message, header, message_key
 from engine.pb import poseidon_pb2 as pb
 from engine.perf.bench_shard import SHARD0, push, synthetic_worker, take_sums
+from poseidon_cli.launch.config import JobConfig
+from poseidon_cli.launch.shard import shard_command
+from tests.test_comm_train import digits_db, poseidon, weights, write_hosts, write_run  # noqa: F401
 from tests.test_comm_transport import KEY, local_hosts
 
 
@@ -257,3 +261,47 @@ def test_chunks_are_pinned_to_threads_by_bytes():
     assert sorted((c.param, c.chunk) for g in groups for c in g) == \
         sorted((c.param, c.chunk) for c in chunks)
     assert len(pin(chunks[:1], 4)) == 1  # no idle thread for want of chunks
+
+
+def test_training_sums_the_same_bits_with_any_number_of_shard_threads(digits_db, tmp_path):  # noqa: F811
+    """`poseidon train --comm ps` with the reference server and with 3 summing threads: the
+    same weights, bit for bit."""
+    got = {}
+    for threads in (0, 3):
+        d = tmp_path / f"t{threads}"
+        solver = write_run(d, digits_db, 8, "run", iters=6)
+        hosts, _ = write_hosts(d, 3)
+        done = poseidon("train", "--solver", str(solver), "--hosts", str(hosts), "--comm", "ps",
+                        "--chunk-bytes", "2048", "--shard-threads", str(threads), timeout=180)
+        assert done.returncode == 0, done.stderr[-3000:]
+        got[threads] = weights(d / "run_iter_6.caffemodel")
+    assert got[0].keys() == got[3].keys()
+    for name, w in got[0].items():
+        assert w.tobytes() == got[3][name].tobytes(), name
+
+
+def test_the_shard_threads_travel_from_the_command_line_to_the_shard():
+    config = JobConfig("s.prototxt", "h.txt", shard_threads=3)
+    assert JobConfig.from_json(config.to_json()).shard_threads == 3
+    assert JobConfig("s", "h").shard_threads == DEFAULT_THREADS
+    cmd = shard_command(1, "h.txt", 30.0, 1 << 20, config.shard_threads)
+    assert cmd[cmd.index("--threads") + 1] == "3"
+    with pytest.raises(CommError, match="--shard-threads must be >= 0, got -1"):
+        JobConfig("s", "h", shard_threads=-1)
+    with pytest.raises(CommError, match="'shard_threads' has the wrong type"):
+        JobConfig.from_json('{"solver": "s", "hosts": "h", "shard_threads": 1.5}')
+
+
+def test_bench_shard_measures_every_thread_count_against_threads_0(tmp_path):
+    out = tmp_path / "shard.json"
+    done = poseidon("bench", "shard", "--layouts", "resnet", "--threads", "2", "--workers", "2",
+               "--repeats", "1", "--rounds", "1", "--json", str(out), timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert [(r["layout"], r["threads"]) for r in rows] == [("resnet", 0), ("resnet", 2)]
+    for r in rows:
+        assert r["summed_gb_s"] == pytest.approx(2 * r["bytes"] / r["round_s"] / 1e9)
+        assert r["ratio"] == pytest.approx(rows[0]["round_s"] / r["round_s"])
+    assert rows[0]["ratio"] == 1.0 and report["add_bytes_per_s_one_thread"] > 0
+    assert "summed GB/s" in done.stdout
