@@ -53,15 +53,16 @@ def shard(layouts: str, threads: str, workers: int, repeats: int, rounds: int, w
     click.echo(f"measured: one shard process holding the whole layout, {workers} worker "
                f"processes on the same {os.cpu_count()} cores; a round = every worker pushes "
                "every chunk and gets every sum back (authenticated both ways)")
-    click.echo("the workers' own costs share those cores: the ratios are a lower bound of what "
-               "threads give a shard with cores of its own")
+    click.echo("the workers' own costs share those cores: the ratios are this machine's, not a "
+               "shard's with cores of its own; the shard's CPU per round is its own cost")
     click.echo(f"{'layout':>7} {'threads':>7} {'chunks':>6} {'MB':>6} {'round ms':>9} "
-               f"{'rounds/s':>8} {'summed GB/s':>11} {'ratio':>6}")
+               f"{'rounds/s':>8} {'summed GB/s':>11} {'ratio':>6} {'shard cpu ms':>12} "
+               f"{'GB/cpu-s':>8}")
 
     def say(r) -> None:
         click.echo(f"{r.layout:>7} {r.threads:>7} {r.chunks:>6} {r.bytes / 1e6:>6.0f} "
                    f"{r.round_s * 1e3:>9.1f} {r.rounds_per_s:>8.2f} {r.summed_gb_s:>11.2f} "
-                   f"{r.ratio:>6.2f}")
+                   f"{r.ratio:>6.2f} {r.shard_cpu_s * 1e3:>12.0f} {r.gb_per_cpu_s:>8.2f}")
 
     try:
         rows = run(names, wanted, workers, repeats, rounds,
@@ -69,7 +70,8 @@ def shard(layouts: str, threads: str, workers: int, repeats: int, rounds: int, w
     except (RuntimeError, OSError) as e:
         fail(f"bench shard: {e}")
     click.echo(f"medians of {repeats} measurements of {rounds} rounds each; ratio: summed GB/s "
-               "against threads=0 in the same run")
+               "against threads=0 in the same run; shard cpu: the shard process's CPU time per "
+               "round, all threads; GB/cpu-s: bytes summed per second of it")
     from engine.perf.bench_shard import add_bytes_per_s
     adds = add_bytes_per_s(size)
     click.echo(f"for scale: one thread adds {size}-byte pushes in place at {adds / 1e9:.1f} GB/s "

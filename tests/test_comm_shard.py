@@ -303,5 +303,7 @@ def test_bench_shard_measures_every_thread_count_against_threads_0(tmp_path):
     for r in rows:
         assert r["summed_gb_s"] == pytest.approx(2 * r["bytes"] / r["round_s"] / 1e9)
         assert r["ratio"] == pytest.approx(rows[0]["round_s"] / r["round_s"])
+        assert r["shard_cpu_s"] > 0
+        assert r["gb_per_cpu_s"] == pytest.approx(2 * r["bytes"] / r["shard_cpu_s"] / 1e9)
     assert rows[0]["ratio"] == 1.0 and report["add_bytes_per_s_one_thread"] > 0
     assert "summed GB/s" in done.stdout

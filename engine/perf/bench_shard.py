@@ -9,17 +9,20 @@ chunk's sum (checked, authenticated) before the next round. The clusters take tu
 ``repeats`` times, so all see the same machine; each row is the median.
 
 - aggregation throughput = bytes summed per second = P x the layout's bytes / round time;
-- rounds/s = 1 / round time (a round ends when the slowest worker has every sum).
+- rounds/s = 1 / round time (a round ends when the slowest worker has every sum);
+- the shard process's CPU time per round (user + system, all its threads, from /proc), and
+  the bytes it sums per CPU-second: what a shard would do with cores of its own.
 
 What this measures: the round trip through one shard that holds the whole layout, with the P
 workers on the same machine. The workers' own costs (authenticating P x the layout's bytes
 each way, ZeroMQ's copies into and out of the kernel) share the machine's cores with the
-shard's summing, so on a machine with few cores the ratios understate what more summing
-threads buy a shard with cores of its own.
+shard, so the ratios are this machine's, not those of a shard with cores of its own; the
+shard's CPU per round is its own cost either way.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -84,6 +87,7 @@ class Row:
     chunks: int
     bytes: int                # of the layout (one worker's push of every chunk)
     round_s: float            # median
+    shard_cpu_s: float        # the shard process's CPU seconds per round, median
     samples_s: list[float] = field(default_factory=list)
     baseline_round_s: float = 0.0  # threads=0's median, measured in the same run
 
@@ -100,9 +104,15 @@ class Row:
         """Throughput against threads=0's."""
         return self.baseline_round_s / self.round_s if self.round_s else 0.0
 
+    @property
+    def gb_per_cpu_s(self) -> float:
+        """Bytes summed per CPU-second of the shard process."""
+        return self.workers * self.bytes / self.shard_cpu_s / 1e9 if self.shard_cpu_s else 0.0
+
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "summed_gb_s": self.summed_gb_s,
-                "rounds_per_s": self.rounds_per_s, "ratio": self.ratio}
+                "rounds_per_s": self.rounds_per_s, "ratio": self.ratio,
+                "gb_per_cpu_s": self.gb_per_cpu_s}
 
 
 # --------------------------------------------------------------------------- the processes
@@ -190,6 +200,13 @@ def _worker_main(rank: int, world: int, hosts: list[HostEntry], key: bytes,
         ep.close(say_bye=False)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid``, all its threads (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Cluster:
     """A shard with ``threads`` and P workers, started and waiting for rounds to run."""
 
@@ -225,11 +242,14 @@ class Cluster:
             out.append(value)
         return out
 
-    def rounds(self, n: int) -> float:
-        """Seconds per round over ``n`` rounds (the slowest worker's)."""
+    def rounds(self, n: int) -> tuple[float, float]:
+        """Seconds per round over ``n`` rounds (the slowest worker's), and the shard process's
+        CPU seconds per round."""
+        cpu = cpu_seconds(self.shard.pid)
         for conn in self.conns:
             conn.send(n)
-        return max(self._answers("seconds")) / n
+        wall = max(self._answers("seconds")) / n
+        return wall, (cpu_seconds(self.shard.pid) - cpu) / n
 
     def close(self) -> None:
         for conn in self.conns:
@@ -249,13 +269,14 @@ def add_bytes_per_s(chunk_bytes: int = DEFAULT_CHUNK_BYTES, total: int = 256 << 
     """One thread's speed at adding pushes in place into a float32 buffer (the fast server's
     summing alone, no network), in bytes of pushes per second, median of ``repeats``."""
     n = max(chunk_bytes // 4, 1)
-    acc, x = np.zeros(n, np.float32), np.ones(n, np.float32)
     count = max(total // (4 * n), 1)
+    acc = np.zeros(n, np.float32)
+    pushes = np.ones(count * n, np.float32)  # distinct memory, as received pushes are
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        for _ in range(count):
-            np.add(acc, x, out=acc)
+        for k in range(count):
+            np.add(acc, pushes[k * n:(k + 1) * n], out=acc)
         times.append(time.perf_counter() - t)
     return count * 4 * n / statistics.median(times)
 
@@ -288,16 +309,19 @@ def run(layouts: Sequence[str], threads: Sequence[int], workers: int = 4, repeat
             for c in clusters:
                 c.rounds(1)  # warm-up: first-touch pages, connections, the sums checked
             samples: dict[int, list[float]] = {t: [] for t in threads}
+            cpu: dict[int, list[float]] = {t: [] for t in threads}
             for _ in range(repeats):
                 for c in clusters:
-                    samples[c.threads].append(c.rounds(rounds))
+                    wall, used = c.rounds(rounds)
+                    samples[c.threads].append(wall)
+                    cpu[c.threads].append(used)
         finally:
             for c in clusters:
                 c.close()
         base = statistics.median(samples[0])
         for t in threads:
             row = Row(name, t, workers, len(chunks), layout_bytes(chunks),
-                      statistics.median(samples[t]), samples[t], base)
+                      statistics.median(samples[t]), statistics.median(cpu[t]), samples[t], base)
             rows.append(row)
             if say is not None:
                 say(row)
