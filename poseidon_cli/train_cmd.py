@@ -11,7 +11,8 @@ from engine.comm.planner import COMM_MODES
 
 from .main import fail, user_errors
 
-from .launch.config import SIGNAL_ACTIONS  # Caffe's -sigint_effect / -sighup_effect values
+# SIGNAL_ACTIONS: Caffe's -sigint_effect / -sighup_effect values
+from .launch.config import DEFAULT_SHARD_THREADS, SIGNAL_ACTIONS
 
 
 def parse_gpus(text: str) -> list[int]:
@@ -117,6 +118,9 @@ def solver_gpu(solver: str) -> list[int] | None:
               help="Seconds before a silent peer is declared lost.")
 @click.option("--chunk-bytes", type=int, default=4 << 20, show_default=True,
               help="Largest piece of a parameter one PS shard holds.")
+@click.option("--shard-threads", type=click.IntRange(min=0), default=DEFAULT_SHARD_THREADS,
+              show_default=True, help="Threads each PS shard sums its chunks on (chunks "
+              "pinned to them, summed in place); 0: on its receive thread, as before.")
 @click.option("--sigint-effect", type=click.Choice(SIGNAL_ACTIONS), default="stop",
               show_default=True, help="What SIGINT (Ctrl-C) and SIGTERM do at the next "
               "iteration: snapshot then stop, snapshot and go on, or nothing (Caffe's flag).")
@@ -139,8 +143,8 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
           sparse: float | None, sparse_warmup: int | None, momentum_correction: bool | None,
           fusion_mb: float, fusion_ms: float, link: str | None, priority: bool, levels: bool,
           key_file: str | None, launch: str, stats: str | None,
-          timeout: float, chunk_bytes: int, sigint_effect: str, sighup_effect: str,
-          replay: str | None, time_scale: float, log_dir: str | None,
+          timeout: float, chunk_bytes: int, shard_threads: int, sigint_effect: str,
+          sighup_effect: str, replay: str | None, time_scale: float, log_dir: str | None,
           timeline: str | None) -> None:
     """Train a net from a Caffe solver, with Caffe's log lines and snapshots."""
     if weights and snapshot:
@@ -178,7 +182,8 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
                                momentum_correction=momentum_correction is not False,
                                fusion_mb=fusion_mb, fusion_ms=fusion_ms, link=link,
                                priority=priority, levels=levels, timeout=timeout,
-                               chunk_bytes=chunk_bytes, weights=tuple(weight_files),
+                               chunk_bytes=chunk_bytes, shard_threads=shard_threads,
+                               weights=tuple(weight_files),
                                snapshot=snapshot, gpus=tuple(gpus) if gpus is not None else None,
                                pin_gpus=pinned is not None,
                                stats=stats, signal_effects=effects, replay=replay,

@@ -6,6 +6,13 @@ round t, sums them in rank order in float32 (so the result does not depend on ar
 and fp16 pushes are accumulated in float32), and sends the sum, in the wire's dtype, to every
 worker. The bits of the pushes (signals, a codec's flags) are ORed into the sum; an fp16 sum
 that overflows raises OVERFLOW_BIT.
+
+Two ways to sum, with bit-identical results: ``threads=0`` keeps every push of a round and
+sums them on the receive thread into a new array when the last one comes (the reference);
+``threads=N`` is PHub's fast server (engine/comm/aggregate.py): N threads with the chunks
+pinned to them add each push in place into preallocated buffers as it comes, and send the
+buffer itself. Either way the receive thread does the bookkeeping: duplicates, the round a
+chunk expects, and how long a round has waited for whom.
 """
 from __future__ import annotations
 
@@ -19,9 +26,10 @@ import numpy as np
 from engine.pb import poseidon_pb2 as pb
 from engine.perf import timeline
 
+from .aggregate import AggregationPool, sum_in_rank_order
 from .errors import CommError
 from .hosts import HostEntry
-from .schemes.base import OVERFLOW_BIT, arrays_are
+from .schemes.base import arrays_are
 from .schemes.ps import PUSH, SUM, Chunk, layout_digest
 from .stats import CommStats
 from .transport import SHARD, WORKER, Endpoint, Message, header, message_key
@@ -29,13 +37,24 @@ from .transport import SHARD, WORKER, Endpoint, Message, header, message_key
 log = logging.getLogger("poseidon.comm")
 
 
+#: aggregation threads of a shard (`poseidon train --shard-threads`); README, "PS shard
+#: threads", gives the measurement it is chosen by
+DEFAULT_THREADS = 1
+
+
 class ShardServer:
     """One node's PS shard: sums pushes of its chunks and answers every worker with the sum."""
 
     def __init__(self, index: int, hosts: Sequence[HostEntry], *, key: bytes,
                  timeout: float = 30.0, stats: CommStats | None = None,
-                 exit_grace: float | None = None, max_frame_bytes: int | None = None) -> None:
+                 exit_grace: float | None = None, max_frame_bytes: int | None = None,
+                 threads: int = DEFAULT_THREADS) -> None:
+        """``threads``: 0 sums on the receive thread (the reference), N >= 1 on N
+        aggregation threads with the chunks pinned to them."""
+        if threads < 0:
+            raise ValueError(f"shard threads must be >= 0, got {threads}")
         self.index = index
+        self.threads = threads
         self.world = len(hosts)
         self.workers = [(WORKER, r) for r in range(self.world)]
         self.ep = Endpoint((SHARD, index), hosts, self.workers, key=key, timeout=timeout,
@@ -44,9 +63,10 @@ class ShardServer:
         #: the workers that push each group's chunks, in the order their pushes are summed
         self._groups: list[tuple[int, ...]] = [tuple(range(self.world))]
         self._next: dict[tuple[int, int], int] = {}
-        self._pending: dict[tuple[int, int, int], tuple[float, dict[int, np.ndarray]]] = {}
-        self._requests: dict[tuple[int, int, int], int] = {}  # signal bits of the pushes
+        #: (param, chunk, round) -> (first push's time, the pushes so far by rank)
+        self._pending: dict[tuple[int, int, int], tuple[float, dict[int, Message]]] = {}
         self._lock = threading.Lock()
+        self._pool: AggregationPool | None = None
 
     def _check(self, msg: Message) -> str | None:
         h = msg.header
@@ -65,6 +85,7 @@ class ShardServer:
         return arrays_are(msg, [((chunk.count,), chunk.dtype)])
 
     def _on_push(self, msg: Message) -> None:
+        """A checked push, on the receive thread: bookkeeping, then the sum's way to go."""
         h = msg.header
         key = (h.param, h.chunk, h.round)
         with self._lock:
@@ -73,35 +94,44 @@ class ShardServer:
                 log.warning("shard %d: dropped a duplicate push of param %d chunk %d round %d "
                             "from worker %d", self.index, h.param, h.chunk, h.round, h.sender)
                 return
-            got[h.sender] = msg.arrays[0]
-            self._requests[key] = self._requests.get(key, 0) | h.request
-            group = self._groups[self._chunks[(h.param, h.chunk)].group]
-            if len(got) < len(group):
-                return
-            del self._pending[key]
-            request = self._requests.pop(key)
-            self._next[(h.param, h.chunk)] = h.round + 1
+            got[h.sender] = msg
+            group = self._group_of(self._chunks[(h.param, h.chunk)])
+            complete = len(got) == len(group)
+            if complete:
+                del self._pending[key]
+                self._next[(h.param, h.chunk)] = h.round + 1
+        if self._pool is not None:
+            self._pool.put(msg)
+        elif complete:
+            self._sum_here(self._chunks[(h.param, h.chunk)], h.round,
+                           [got[r] for r in group])
+
+    def _group_of(self, chunk: Chunk) -> tuple[int, ...]:
+        """The workers that push ``chunk``, in the order their pushes are summed."""
+        return self._groups[chunk.group]
+
+    def _sum_here(self, chunk: Chunk, rnd: int, pushes: list[Message]) -> None:
+        """The reference path: the round's pushes summed on the receive thread (in the order
+        of the chunk's group: ranks when flat)."""
         tl = timeline.current
         start = tl.now()
-        wire = got[group[0]].dtype
-        total = got[group[0]].astype(np.float32)
-        for r in group[1:]:  # the group's order: the sum is the same whatever came first
-            total += got[r]
-        if total.dtype != wire:  # fp16 on the wire: the float32 sum rounded once
-            with np.errstate(over="ignore", invalid="ignore"):
-                total = total.astype(wire)
-            if not np.isfinite(total).all():
-                request |= OVERFLOW_BIT
+        total, request = sum_in_rank_order(pushes, np.dtype(chunk.dtype))
         if tl.active:
-            tl.complete(f"aggregate p{h.param}c{h.chunk}", "aggregate", start,
-                        {"round": h.round, "layer": h.layer, "bytes": total.nbytes})
-            start = tl.now()
-        out = header(pb.DATA, scheme="ps", op=SUM, round=h.round, layer=h.layer,
-                     param=h.param, chunk=h.chunk, phase=h.phase, request=request)
-        self.ep.broadcast([(WORKER, r) for r in group], out, [total])
+            tl.complete(f"aggregate p{chunk.param}c{chunk.chunk}", "aggregate", start,
+                        {"round": rnd, "layer": chunk.layer, "bytes": total.nbytes})
+        self._send_sum(chunk, rnd, total, request)
+
+    def _send_sum(self, chunk: Chunk, rnd: int, total: np.ndarray, request: int) -> None:
+        """Send a chunk's sum to every worker of its group (zero-copy: ``total`` must not
+        change until each has it; see aggregate.ChunkSum)."""
+        tl = timeline.current
+        start = tl.now()
+        out = header(pb.DATA, scheme="ps", op=SUM, round=rnd, layer=chunk.layer,
+                     param=chunk.param, chunk=chunk.chunk, phase=chunk.phase, request=request)
+        self.ep.broadcast([(WORKER, r) for r in self._group_of(chunk)], out, [total])
         if tl.active:
-            tl.complete(f"send sum p{h.param}c{h.chunk}", "send", start, {"round": h.round})
-        self.ep.stats.note_round(h.layer, h.round)
+            tl.complete(f"send sum p{chunk.param}c{chunk.chunk}", "send", start, {"round": rnd})
+        self.ep.stats.note_round(chunk.layer, rnd)
 
     def start(self) -> None:
         """The start-up barrier: the chunk table from rank 0, confirmed by every worker."""
@@ -125,6 +155,9 @@ class ShardServer:
             if c.shard == self.index:
                 self._chunks[(c.param, c.chunk)] = c
                 self._next[(c.param, c.chunk)] = 0
+        if self.threads:
+            self._pool = AggregationPool(ep.name, list(self._chunks.values()), self._groups,
+                                         self.threads, self._send_sum, ep.fatal)
         ep.checker = self._check
         ep.handler = self._on_push
         ep.broadcast(self.workers, header(pb.READY))
@@ -150,4 +183,6 @@ class ShardServer:
             time.sleep(0.1)
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
         self.ep.close(say_bye=self.ep.error is None)

@@ -4,9 +4,10 @@ or chrome://tracing.
 Each process records complete events ("X": name, category, start, duration) per thread:
 every layer's forward and backward and the wait before a forward on the training thread; each
 send on the sender thread; the wait for sums or factors, SFB's rebuild and the solver update
-on the reducer thread; a shard's additions and the send of each sum on its receiver thread;
-and one "iteration" event around each iteration. Events of one thread nest: a thread records
-an event when it ends, and only around work that thread does.
+on the reducer thread; a shard's additions and the send of each sum on its summing threads
+(its receiver thread with --shard-threads 0); and one "iteration" event around each
+iteration. Events of one thread nest: a thread records an event when it ends, and only around
+work that thread does.
 
 Timestamps are microseconds of the wall clock (time.time_ns), so the parts of the processes of
 one machine line up exactly, and those of different machines as well as their clocks agree

@@ -15,6 +15,7 @@ from engine.comm.codecs import WIRES
 from engine.comm.errors import CommError
 from engine.comm.planner import split_comm
 from engine.comm.schemes.ps import DEFAULT_CHUNK_BYTES
+from engine.comm.shard import DEFAULT_THREADS as DEFAULT_SHARD_THREADS
 
 SIGNAL_ACTIONS = ("stop", "snapshot", "none")
 
@@ -27,6 +28,8 @@ class JobConfig:
     comm: str = "auto"
     timeout: float = 30.0
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    #: summing threads of each PS shard (0: on its receive thread, engine/comm/shard.py)
+    shard_threads: int = DEFAULT_SHARD_THREADS
     #: the gradients' encoding on the wire (engine/comm/codecs)
     wire: str = "fp32"
     #: coarse-grained sparse communication: the fraction of chunks sent per round (0: dense)
@@ -82,6 +85,8 @@ class JobConfig:
             raise CommError(f"--timeout must be positive, got {self.timeout:g}")
         if self.chunk_bytes < 1:
             raise CommError(f"--chunk-bytes must be positive, got {self.chunk_bytes}")
+        if self.shard_threads < 0:
+            raise CommError(f"--shard-threads must be >= 0, got {self.shard_threads}")
         for sig, action in self.signal_effects.items():
             if sig not in ("SIGINT", "SIGTERM", "SIGHUP") or action not in SIGNAL_ACTIONS:
                 raise CommError(f"signal effect {sig}={action!r}: expected SIGINT, SIGTERM or "
@@ -139,6 +144,7 @@ def _check(name: str, value: Any) -> None:
         "levels": isinstance(value, bool),
         "pin_gpus": isinstance(value, bool),
         "chunk_bytes": isinstance(value, int) and not isinstance(value, bool),
+        "shard_threads": isinstance(value, int) and not isinstance(value, bool),
         "weights": isinstance(value, list) and all(isinstance(v, str) for v in value),
         "gpus": value is None or (isinstance(value, list) and all(
             isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)),

@@ -16,16 +16,19 @@ import sys
 from engine.comm.auth import KEY_ENV, job_key, key_hex
 from engine.comm.errors import CommError
 from engine.comm.hosts import HostEntry, table_from_json
+from engine.comm.shard import DEFAULT_THREADS
 
 #: after a fatal error, a process still busy computing is stopped this many seconds later
 EXIT_GRACE_S = 2.0
 
 
-def shard_command(index: int, timeout: float, max_frame_bytes: int,
+def shard_command(index: int, timeout: float, max_frame_bytes: int, threads: int,
                   timeline: str | None = None) -> list[str]:
-    """The shard's command line; its worker writes the host table to its standard input."""
+    """The shard's command line; its worker writes the host table to its standard input.
+    ``threads``: the shard's summing threads (0: on its receive thread)."""
     cmd = [sys.executable, "-m", "poseidon_cli.launch.shard", "--index", str(index),
-           "--timeout", f"{timeout:g}", "--max-frame-bytes", str(max_frame_bytes)]
+           "--timeout", f"{timeout:g}", "--max-frame-bytes", str(max_frame_bytes),
+           "--threads", str(threads)]
     return cmd + (["--timeline", timeline] if timeline else [])
 
 
@@ -34,7 +37,7 @@ def shard_env(key: bytes) -> dict[str, str]:
 
 
 def run_shard(index: int, entries: list[HostEntry], timeout: float,
-              max_frame_bytes: int | None = None, timeline: str | None = None) -> int:
+              max_frame_bytes: int | None, threads: int, timeline: str | None = None) -> int:
     from engine.comm.shard import ShardServer
 
     key = job_key(None)
@@ -44,7 +47,7 @@ def run_shard(index: int, entries: list[HostEntry], timeout: float,
         from engine.perf import timeline as tl
         tl.start(timeline, f"shard {index}", f"shard{index}")
     srv = ShardServer(index, entries, key=key, timeout=timeout, exit_grace=EXIT_GRACE_S,
-                      max_frame_bytes=max_frame_bytes)
+                      max_frame_bytes=max_frame_bytes, threads=threads)
     try:
         srv.start()
         srv.serve()
@@ -66,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--max-frame-bytes", type=int, default=None)
     ap.add_argument("--timeline", default=None)
+    ap.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                    help="summing threads (0: on the receive thread)")
     args = ap.parse_args(argv)
     for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
         if sig is not None:
@@ -75,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 <= args.index < len(entries):
             raise CommError(f"shard {args.index}: the table lists {len(entries)} workers")
         return run_shard(args.index, entries, args.timeout, args.max_frame_bytes,
-                         args.timeline)
+                         args.threads, args.timeline)
     except CommError as e:
         print(f"poseidon: error: {e}", file=sys.stderr)
         return 1

@@ -109,7 +109,8 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
         from engine.perf import timeline as tl
         tl.start(config.timeline, f"worker {rank}", f"worker{rank}")
     max_frame = frame_limit(slots, world, config.chunk_bytes)
-    shard = subprocess.Popen(shard_command(rank, config.timeout, max_frame, config.timeline),
+    shard = subprocess.Popen(shard_command(rank, config.timeout, max_frame, config.shard_threads,
+                                           config.timeline),
                              stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=shard_env(key))
     assert shard.stdin is not None
     try:
