@@ -226,7 +226,7 @@ class ConvolutionLayer(_BaseConvolution):
                     dw += xp.matmul(self._channel_major(dy[s]), col.transpose(0, 2, 1))
                 if down:
                     dcol = xp.matmul(wg.transpose(0, 2, 1), K.grid_operand(dy[s], g, self.group))
-                    dx[s] = K.col2im(dcol.reshape(g.col_rows, -1), g, s.stop - s.start)
+                    K.col2im(dcol.reshape(g.col_rows, -1), g, s.stop - s.start, out=dx[s])
 
 
 @register("Deconvolution", "DECONVOLUTION")
@@ -244,7 +244,7 @@ class DeconvolutionLayer(_BaseConvolution):
             y = self._images(t.data, self.num_output)
             for s in self._chunks(xp, x.dtype.itemsize):
                 col = xp.matmul(wg.transpose(0, 2, 1), K.grid_operand(x[s], g, self.group))
-                y[s] = K.col2im(col.reshape(g.col_rows, -1), g, s.stop - s.start)
+                K.col2im(col.reshape(g.col_rows, -1), g, s.stop - s.start, out=y[s])
                 self._add_bias(y[s])
 
     def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
@@ -560,4 +560,4 @@ class Im2colLayer(Layer):
         dx = self._images(bottom[0].diff, g.channels, g.height, g.width)
         for s in _image_chunks(xp, g, self.num, dy.dtype.itemsize):
             col = K.grid_operand(dy[s], g, 1).reshape(g.col_rows, -1)
-            dx[s] = K.col2im(col, g, s.stop - s.start)
+            K.col2im(col, g, s.stop - s.start, out=dx[s])

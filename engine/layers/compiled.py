@@ -1,0 +1,173 @@
+"""Compiled CPU forms of im2col, col2im and MAX pooling's backward, when Numba is there.
+
+NumPy pays per inner loop, and these kernels' inner loops are a window row (LeNet's conv2:
+8 elements), so its forms in ``im2col`` run at a few GB/s; Caffe's plain C loops run several
+times faster, and they decide whether Poseidon keeps up with Caffe on the small nets. These
+are Caffe's loops, compiled by Numba, in Caffe's summation order; ``im2col`` keeps its NumPy
+forms as the reference and uses these only when Numba imports (``pip install
+'poseidon[fast]'``) and POSEIDON_NUMBA is not 0. Compiled code is cached on disk, so a
+process pays the compilation (about a second per kernel and dtype) once per machine.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+try:  # optional: without it the NumPy forms serve
+    import numba
+except ImportError:  # pragma: no cover - depends on the install
+    numba = None
+
+
+def available() -> bool:
+    """True when the compiled forms are to be used."""
+    return numba is not None and os.environ.get("POSEIDON_NUMBA", "1") != "0"
+
+
+def _jit(fn: Any) -> Any:
+    return numba.njit(cache=True, nogil=True, boundscheck=False)(fn) if numba else fn
+
+
+def _inline(fn: Any) -> Any:
+    """An inner loop, inlined into its caller (a call per window row costs more than its work)."""
+    return numba.njit(inline="always", boundscheck=False)(fn) if numba else fn
+
+
+@_inline
+def _span(offset, stride, out, size):  # pragma: no cover - compiled
+    # the outputs o in [lo, hi) whose input o * stride + offset lies in [0, size)
+    lo = 0 if offset >= 0 else (-offset + stride - 1) // stride
+    hi = 0 if offset >= size else (size - offset + stride - 1) // stride
+    return min(lo, out), max(min(hi, out), min(lo, out))
+
+
+# The kernels take flat C-contiguous arrays and clip each window row to the image once,
+# so their inner loops have no branch; the inner loops index with unsigned integers, for
+# which Numba drops its negative-index wraparound, and LLVM then vectorises them (3x).
+
+@_inline
+def _gather(dst, d, src, s, stride, count):  # pragma: no cover - compiled
+    d, s, stride = np.uint64(d), np.uint64(s), np.uint64(stride)
+    for t in range(np.uint64(count)):
+        dst[d + t] = src[s + t * stride]
+
+
+@_inline
+def _scatter_add(dst, d, stride, src, s, count):  # pragma: no cover - compiled
+    d, s, stride = np.uint64(d), np.uint64(s), np.uint64(stride)
+    for t in range(np.uint64(count)):
+        dst[d + t * stride] += src[s + t]
+
+
+@_inline
+def _fill(dst, d, count):  # pragma: no cover - compiled
+    d = np.uint64(d)
+    for t in range(np.uint64(count)):
+        dst[d + t] = 0
+
+@_jit
+def _im2col(x, col, n, channels, height, width, kh, kw, sh, sw, ph, pw, dh, dw, oh,
+            ow):  # pragma: no cover - compiled
+    # col rows (c, i, j), columns (image, y, x): the layout of im2col's NumPy form
+    ncols = n * oh * ow
+    for c in range(channels):
+        for i in range(kh):
+            for j in range(kw):
+                row = ((c * kh + i) * kw + j) * ncols
+                w0 = j * dw - pw
+                lo, hi = _span(w0, sw, ow, width)
+                for b in range(n):
+                    plane = (b * channels + c) * height * width
+                    for y in range(oh):
+                        dst = row + (b * oh + y) * ow
+                        h = y * sh - ph + i * dh
+                        if h < 0 or h >= height:
+                            _fill(col, dst, ow)
+                            continue
+                        _fill(col, dst, lo)
+                        _gather(col, dst + lo, x, plane + h * width + w0 + lo * sw, sw, hi - lo)
+                        _fill(col, dst + hi, ow - hi)
+
+
+@_jit
+def _col2im(col, im, n, channels, height, width, kh, kw, sh, sw, ph, pw, dh, dw, oh,
+            ow):  # pragma: no cover - compiled
+    # Caffe's col2im_cpu: zero, then add the columns in (kernel row, kernel col) order
+    ncols = n * oh * ow
+    for o in range(im.size):
+        im[o] = 0
+    for c in range(channels):
+        for i in range(kh):
+            for j in range(kw):
+                row = ((c * kh + i) * kw + j) * ncols
+                w0 = j * dw - pw
+                lo, hi = _span(w0, sw, ow, width)
+                for b in range(n):
+                    plane = (b * channels + c) * height * width
+                    for y in range(oh):
+                        h = y * sh - ph + i * dh
+                        if h < 0 or h >= height:
+                            continue
+                        _scatter_add(im, plane + h * width + w0 + lo * sw, sw, col,
+                                     row + (b * oh + y) * ow + lo, hi - lo)
+
+
+@_jit
+def _max_pool_backward(dy, arg, out, planes, height, width, kh, kw, sh, sw, ph, pw, oh,
+                       ow):  # pragma: no cover - compiled
+    # Caffe's order: zero, then each output adds its gradient at its argmax, in scan order.
+    # ``arg`` is the window offset (row-major in the kernel); tables turn it into (i, j)
+    # without a division per output.
+    di = np.empty(kh * kw, dtype=np.int64)
+    dj = np.empty(kh * kw, dtype=np.int64)
+    for k in range(kh * kw):
+        di[k], dj[k] = k // kw, k % kw
+    _fill(out, 0, planes * height * width)
+    o = np.uint64(0)
+    for p in range(planes):
+        plane = p * height * width
+        for y in range(oh):
+            h0 = y * sh - ph
+            for xo in range(ow):
+                k = np.uint64(arg[o])
+                h = h0 + di[k]
+                w = xo * sw - pw + dj[k]
+                if 0 <= h < height and 0 <= w < width:
+                    out[np.uint64(plane + h * width + w)] += dy[o]
+                o += np.uint64(1)
+
+
+def _flat(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).reshape(-1)
+
+
+def _out(a: np.ndarray) -> np.ndarray:
+    if not a.flags.c_contiguous:
+        raise ValueError("the compiled kernels write into C-contiguous arrays")
+    return a.reshape(-1)
+
+
+def im2col(x: np.ndarray, g: Any) -> np.ndarray:
+    """Columns (C*kh*kw, n*out_h*out_w) of (n, C, H, W) ``x``, as ``im2col.im2col``."""
+    col = np.empty((g.col_rows, x.shape[0] * g.out_h * g.out_w), dtype=x.dtype)
+    _im2col(_flat(x), col.reshape(-1), x.shape[0], g.channels, g.height, g.width, g.kernel_h,
+            g.kernel_w, g.stride_h, g.stride_w, g.pad_h, g.pad_w, g.dilation_h, g.dilation_w,
+            g.out_h, g.out_w)
+    return col
+
+
+def col2im(col: np.ndarray, g: Any, out: np.ndarray) -> np.ndarray:
+    """Sum the (C*kh*kw, n*out_h*out_w) columns onto ``out`` (n, C, H, W), overwriting it."""
+    _col2im(_flat(col), _out(out), out.shape[0], g.channels, g.height, g.width, g.kernel_h,
+            g.kernel_w, g.stride_h, g.stride_w, g.pad_h, g.pad_w, g.dilation_h, g.dilation_w,
+            g.out_h, g.out_w)
+    return out
+
+
+def max_pool_backward(dy: np.ndarray, arg: np.ndarray, g: Any, out: np.ndarray) -> None:
+    """Route each top gradient to its argmax, overwriting ``out`` (n, C, H, W)."""
+    _max_pool_backward(_flat(dy), _flat(arg), _out(out), out.shape[0] * g.channels, g.height,
+                       g.width, g.kernel_h, g.kernel_w, g.stride_h, g.stride_w, g.pad_h,
+                       g.pad_w, g.out_h, g.out_w)
