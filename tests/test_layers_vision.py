@@ -11,6 +11,7 @@ from engine.blob import Blob
 from engine.layers import LayerError, create_layer
 from engine.layers import compiled
 from engine.layers import im2col as K
+from engine.layers import vision as V
 from engine.pb import caffe_pb2
 from tests.gradcheck import check_layer_gradients, make_layer
 
@@ -206,12 +207,14 @@ def test_deconvolution_is_the_adjoint_of_convolution():
 
 
 @pytest.mark.parametrize("kind", ["Convolution", "Deconvolution"])
-@pytest.mark.parametrize("strategy", [{"CHUNK_BYTES": 1}, {"_NS_PER_ROW": 0.0},
-                                      {"_NS_PER_ROW": 1e9}])
+@pytest.mark.parametrize("strategy", [(K, "CHUNK_BYTES", 1), (K, "_NS_PER_ROW", 0.0),
+                                      (K, "_NS_PER_ROW", 1e9), (V, "SMALL_WEIGHT_GRADIENT", 0),
+                                      (V, "SMALL_WEIGHT_GRADIENT", 1 << 30)])
 @pytest.mark.parametrize("numba", ["0", "1"])
 def test_cpu_strategies_agree(monkeypatch, kind, strategy, numba):
-    """One image per chunk, and col2im with and without the wide grid, give the same, with
-    the NumPy kernels and the compiled ones (which have no wide grid)."""
+    """One image per chunk, col2im with and without the wide grid, and weight gradients by
+    one GEMM or one per image, give the same, with the NumPy kernels and the compiled ones
+    (which have no wide grid)."""
     monkeypatch.setenv("POSEIDON_NUMBA", numba)
     body = "num_output: 4 kernel_size: 3 pad: 1 group: 2"
     layer, bottom, top = build(conv_text(kind, body), [(5, 4, 5, 6)])
@@ -225,8 +228,7 @@ def test_cpu_strategies_agree(monkeypatch, kind, strategy, numba):
         return [y, bottom[0].diff.copy()] + [p.diff.copy() for p in layer.blobs]
 
     want = pass_()
-    for name, value in strategy.items():
-        monkeypatch.setattr(K, name, value)
+    monkeypatch.setattr(*strategy)
     for got, ref in zip(pass_(), want):
         np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
 
@@ -423,6 +425,29 @@ def test_lrn_within_channel(size, alpha, beta):
         y, naive_lrn_within(bottom[0].data, size, float(np.float32(alpha)),
                             float(np.float32(beta))), rtol=1e-12)
     check_layer_gradients(layer, bottom, top)
+
+
+@pytest.mark.skipif(not compiled.available(), reason="needs Numba (poseidon[fast])")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("size, beta", [(1, 0.75), (3, 0.5), (5, 0.75), (7, 1.0)])
+def test_lrn_compiled_equals_numpy(monkeypatch, dtype, size, beta):
+    """The compiled ACROSS_CHANNELS form does NumPy's operations in NumPy's order: equal to
+    the bit, signs of zeros included, forward and backward."""
+    def pass_(numba):
+        monkeypatch.setenv("POSEIDON_NUMBA", numba)
+        layer, bottom, top = build(lrn_text(f"local_size: {size} alpha: 0.001 beta: {beta} k: 2"),
+                                   [(2, 6, 5, 7)], dtype=dtype)
+        bottom[0].data[...] *= 30
+        bottom[0].data[0, 0, 0, :2] = [0.0, -0.0]
+        (y,) = run(layer, bottom, top)
+        top[0].diff[...] = np.random.default_rng(1).standard_normal(top[0].shape)
+        top[0].diff[0, :, 0, 0] = 0
+        layer.backward(top, [True], bottom)
+        return y, bottom[0].diff.copy()
+
+    for got, want in zip(pass_("1"), pass_("0")):
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
 
 
 def test_lrn_defaults_and_even_size():

@@ -1,11 +1,13 @@
-"""Compiled CPU forms of im2col, col2im and MAX pooling's backward, when Numba is there.
+"""Compiled CPU forms of im2col, col2im, MAX pooling's backward and LRN, when Numba is there.
 
-NumPy pays per inner loop, and these kernels' inner loops are a window row (LeNet's conv2:
-8 elements), so its forms in ``im2col`` run at a few GB/s; Caffe's plain C loops run several
-times faster, and they decide whether Poseidon keeps up with Caffe on the small nets. These
-are Caffe's loops, compiled by Numba, in Caffe's summation order; ``im2col`` keeps its NumPy
-forms as the reference and uses these only when Numba imports (``pip install
-'poseidon[fast]'``) and POSEIDON_NUMBA is not 0. Compiled code is cached on disk, so a
+NumPy pays per inner loop, and the window kernels' inner loops are a window row (LeNet's
+conv2: 8 elements), so its forms in ``im2col`` run at a few GB/s; Caffe's plain C loops run
+several times faster, and they decide whether Poseidon keeps up with Caffe on the small nets.
+LRN in NumPy is some twenty passes over blobs that do not fit in cache (AlexNet's norm1:
+37 MB); here it is one pass per image. These are Caffe's loops, compiled by Numba, in the
+NumPy forms' operation order (equal to the bit: the tests check it); the NumPy forms stay
+the reference, and these are used only when Numba imports (``pip install 'poseidon[fast]'``)
+and POSEIDON_NUMBA is not 0. Compiled code is cached on disk, so a
 process pays the compilation (about a second per kernel and dtype) once per machine.
 """
 from __future__ import annotations
@@ -137,6 +139,107 @@ def _max_pool_backward(dy, arg, out, planes, height, width, kh, kw, sh, sw, ph, 
                 if 0 <= h < height and 0 <= w < width:
                     out[np.uint64(plane + h * width + w)] += dy[o]
                 o += np.uint64(1)
+
+
+@_inline
+def _channel_window(buf, c, channels, plane, pre, size, out, o):  # pragma: no cover
+    # out[o:o+plane] = the sum of buf's planes c-pre .. c-pre+size-1, zero padded, added in
+    # the order of lrn._window_sum (it starts from the first window slot, a padding zero or
+    # a plane, and adds the rest; a padding zero added changes the sign of a -0.0 sum)
+    first = c - pre
+    lo, hi = max(first, 0), min(first + size, channels)
+    lo_u, o_u, plane_u = np.uint64(lo * plane), np.uint64(o), np.uint64(plane)
+    for t in range(plane_u):
+        out[o_u + t] = buf[lo_u + t] + 0 if first < 0 else buf[lo_u + t]
+    for k in range(lo + 1, hi):
+        k_u = np.uint64(k * plane)
+        for t in range(plane_u):
+            out[o_u + t] += buf[k_u + t]
+    if first + size > channels:
+        for t in range(plane_u):
+            out[o_u + t] += 0
+
+
+@_inline
+def _neg_power(s, beta_mode):  # pragma: no cover - compiled
+    # s ** -beta as lrn._neg_power computes it (beta 0.75, 0.5, 1)
+    if beta_mode == 0:
+        r = np.sqrt(s)
+        r = r * np.sqrt(r)
+        return 1 / r
+    if beta_mode == 1:
+        return 1 / np.sqrt(s)
+    return 1 / s
+
+
+@_jit
+def _lrn_forward(x, top, scale, factor, n, channels, plane, pre, size, a, k,
+                 beta_mode):  # pragma: no cover - compiled
+    per_image = channels * plane
+    sq = np.empty(per_image, dtype=x.dtype)
+    for b in range(n):
+        base = b * per_image
+        for t in range(np.uint64(per_image)):
+            v = x[np.uint64(base) + t]
+            sq[t] = v * v
+        for c in range(channels):
+            o = base + c * plane
+            _channel_window(sq, c, channels, plane, pre, size, scale, o)
+            for t in range(np.uint64(o), np.uint64(o + plane)):
+                s = scale[t] * a
+                s = s + k
+                scale[t] = s
+                factor[t] = _neg_power(s, beta_mode)  # rounded to the dtype here,
+                top[t] = x[t] * factor[t]  # then used, as in NumPy
+
+
+@_jit
+def _lrn_backward(x, top, dy, scale, factor, dx, n, channels, plane, pre, size,
+                  coeff):  # pragma: no cover - compiled
+    per_image = channels * plane
+    ratio = np.empty(per_image, dtype=x.dtype)
+    for b in range(n):
+        base = b * per_image
+        for t in range(np.uint64(per_image)):
+            i = np.uint64(base) + t
+            r = dy[i] * top[i]
+            ratio[t] = r / scale[i]
+        for c in range(channels):
+            o = base + c * plane
+            _channel_window(ratio, c, channels, plane, pre, size, dx, o)
+            for t in range(np.uint64(o), np.uint64(o + plane)):
+                acc = dx[t] * x[t]
+                acc = acc * coeff
+                d = dy[t] * factor[t]
+                dx[t] = d - acc
+
+
+#: the betas whose power the compiled LRN computes as lrn._neg_power does
+_BETA_MODES = {0.75: 0, 0.5: 1, 1.0: 2}
+
+
+def lrn_supports(beta: float) -> bool:
+    return available() and beta in _BETA_MODES
+
+
+def lrn_forward(x: np.ndarray, size: int, alpha: float, beta: float,
+                k: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ACROSS_CHANNELS LRN of (n, C, H, W) ``x``: (top, scale, scale^-beta)."""
+    n, channels = x.shape[:2]
+    top, scale, factor = (np.empty(x.shape, x.dtype) for _ in range(3))
+    dt = x.dtype.type
+    _lrn_forward(_flat(x), top.reshape(-1), scale.reshape(-1), factor.reshape(-1), n, channels,
+                 x[0, 0].size, (size - 1) // 2, size, dt(alpha / size), dt(k),
+                 _BETA_MODES[beta])
+    return top, scale, factor
+
+
+def lrn_backward(x: np.ndarray, top: np.ndarray, dy: np.ndarray, scale: np.ndarray,
+                 factor: np.ndarray, size: int, coeff: float, dx: np.ndarray) -> None:
+    """The bottom gradient of ``lrn_forward`` into ``dx`` (C-contiguous), overwriting it."""
+    n, channels = x.shape[:2]
+    _lrn_backward(_flat(x), _flat(top), _flat(dy), _flat(scale), _flat(factor), _out(dx), n,
+                  channels, x[0, 0].size, (size - 1) // 2, size, x.dtype.type(coeff))
 
 
 def _flat(a: np.ndarray) -> np.ndarray:

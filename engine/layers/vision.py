@@ -16,6 +16,8 @@ from . import im2col as K
 from .base import Layer, LayerError, register
 
 _POOL = caffe_pb2.PoolingParameter
+#: Weight gradients with at most this many entries per group are summed image by image
+SMALL_WEIGHT_GRADIENT = 2048
 _SPP = caffe_pb2.SPPParameter
 
 
@@ -185,8 +187,26 @@ class _BaseConvolution(Layer):
             top += self.blobs[1].data.reshape(1, -1, 1, 1)
 
     def _bias_gradient(self, top_diff: Any) -> None:
+        # Caffe's order: a GEMV per image over its pixels, then the images in turn (a
+        # reduction over two axes of the blob was 3x slower)
         if self.bias_term and self.param_propagate_down[1]:
-            self.blobs[1].diff += top_diff.reshape(self.num, self.num_output, -1).sum(axis=(0, 2))
+            xp = backend.get_array_module(top_diff)
+            per_pixel = top_diff.reshape(self.num * self.num_output, -1)
+            ones = xp.ones(per_pixel.shape[1], dtype=top_diff.dtype)
+            self.blobs[1].diff += xp.matmul(per_pixel, ones).reshape(self.num, -1).sum(axis=0)
+
+    def _weight_gradient(self, dy: Any, col: Any, dw: Any) -> None:
+        """dw (group, C/group, rows) += dy (n, C, h, w) times the chunk's columns'
+        transpose (group, rows, n*h*w)."""
+        xp = backend.get_array_module(dy)
+        n = dy.shape[0]
+        if dw.shape[1] * dw.shape[2] <= SMALL_WEIGHT_GRADIENT:
+            # one small GEMM per image, summed in image order (Caffe's): a single GEMM with
+            # a very long inner dimension ran 2.7x slower (LeNet's conv1, 20 x 25 x 36864)
+            per_image = col.reshape(col.shape[0], col.shape[1], n, -1).transpose(2, 0, 3, 1)
+            dw += xp.matmul(dy.reshape(n, self.group, dw.shape[1], -1), per_image).sum(axis=0)
+        else:
+            dw += xp.matmul(self._channel_major(dy), col.transpose(0, 2, 1))
 
 
 @register("Convolution", "CONVOLUTION")
@@ -223,7 +243,7 @@ class ConvolutionLayer(_BaseConvolution):
             for s in self._chunks(xp, x.dtype.itemsize):
                 if want_w:
                     col = K.im2col(x[s], g).reshape(self.group, g.col_rows // self.group, -1)
-                    dw += xp.matmul(self._channel_major(dy[s]), col.transpose(0, 2, 1))
+                    self._weight_gradient(dy[s], col, dw)
                 if down:
                     dcol = xp.matmul(wg.transpose(0, 2, 1), K.grid_operand(dy[s], g, self.group))
                     K.col2im(dcol.reshape(g.col_rows, -1), g, s.stop - s.start, out=dx[s])
@@ -264,7 +284,7 @@ class DeconvolutionLayer(_BaseConvolution):
             for s in self._chunks(xp, x.dtype.itemsize):
                 col = K.im2col(dy[s], g).reshape(self.group, g.col_rows // self.group, -1)
                 if want_w:
-                    dw += xp.matmul(self._channel_major(x[s]), col.transpose(0, 2, 1))
+                    self._weight_gradient(x[s], col, dw)
                 if down:
                     dx[s] = self._batch_major(xp.matmul(wg, col), s.stop - s.start,
                                               (g.out_h, g.out_w))
