@@ -534,6 +534,11 @@ def test_vision_layers_match_real_caffe(net):
 
 # ------------------------------------------------------------------ compiled CPU kernels
 
+def conv_geometry(c, h, w, kh, kw, sh, sw, ph, pw, dh, dw):
+    return K.Geometry(c, h, w, kh, kw, sh, sw, ph, pw, dh, dw, K.conv_out_size(h, kh, ph, sh, dh),
+                      K.conv_out_size(w, kw, pw, sw, dw))
+
+
 @pytest.mark.skipif(not compiled.available(), reason="needs Numba (poseidon[fast])")
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("geo", [(3, 2, 2, 1, 1, 0, 1, 2), (3, 3, 1, 1, 2, 2, 2, 2),
@@ -541,10 +546,8 @@ def test_vision_layers_match_real_caffe(net):
                                  (4, 4, 3, 3, 1, 2, 1, 1)])
 def test_compiled_conv_kernels_equal_the_numpy_ones(dtype, geo):
     """im2col copies and col2im adds in Caffe's order in both forms: equal to the bit."""
-    kh, kw, sh, sw, ph, pw, dh, dw = geo
     n, c, h, w = 3, 4, 9, 8
-    g = K.Geometry(c, h, w, kh, kw, sh, sw, ph, pw, dh, dw, K.conv_out_size(h, kh, ph, sh, dh),
-                   K.conv_out_size(w, kw, pw, sw, dw))
+    g = conv_geometry(c, h, w, *geo)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, c, h, w)).astype(dtype)
     np.testing.assert_array_equal(compiled.im2col(x, g), K._im2col_cpu(x, g))
@@ -616,8 +619,7 @@ def _c_args(*values):
 def test_gpu_conv_kernels_on_cpu(cuda_source_on_cpu, geo):
     kh, kw, sh, sw, ph, pw, dh, dw = geo
     n, c, h, w = 2, 3, 7, 6
-    g = K.Geometry(c, h, w, kh, kw, sh, sw, ph, pw, dh, dw, K.conv_out_size(h, kh, ph, sh, dh),
-                   K.conv_out_size(w, kw, pw, sw, dw))
+    g = conv_geometry(c, h, w, *geo)
     dims = (n, c, h, w, kh, kw, sh, sw, ph, pw, dh, dw, g.out_h, g.out_w)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, c, h, w))

@@ -70,10 +70,14 @@ def _fill(dst, d, count):  # pragma: no cover - compiled
         dst[d + t] = 0
 
 @_jit
-def _im2col(x, col, n, channels, height, width, kh, kw, sh, sw, ph, pw, dh, dw, oh,
+def _im2col(im, col, adjoint, n, channels, height, width, kh, kw, sh, sw, ph, pw, dh, dw, oh,
             ow):  # pragma: no cover - compiled
-    # col rows (c, i, j), columns (image, y, x): the layout of im2col's NumPy form
+    # col rows (c, i, j), columns (image, y, x): the layout of im2col's NumPy form. The
+    # adjoint (col2im) is Caffe's col2im_cpu: zero, then add the columns in (kernel row,
+    # kernel col) order.
     ncols = n * oh * ow
+    if adjoint:
+        _fill(im, 0, im.size)
     for c in range(channels):
         for i in range(kh):
             for j in range(kw):
@@ -85,35 +89,18 @@ def _im2col(x, col, n, channels, height, width, kh, kw, sh, sw, ph, pw, dh, dw, 
                     for y in range(oh):
                         dst = row + (b * oh + y) * ow
                         h = y * sh - ph + i * dh
-                        if h < 0 or h >= height:
+                        inside = 0 <= h < height
+                        if adjoint:
+                            if inside:
+                                _scatter_add(im, plane + h * width + w0 + lo * sw, sw, col,
+                                             dst + lo, hi - lo)
+                        elif inside:
+                            _fill(col, dst, lo)
+                            _gather(col, dst + lo, im, plane + h * width + w0 + lo * sw, sw,
+                                    hi - lo)
+                            _fill(col, dst + hi, ow - hi)
+                        else:
                             _fill(col, dst, ow)
-                            continue
-                        _fill(col, dst, lo)
-                        _gather(col, dst + lo, x, plane + h * width + w0 + lo * sw, sw, hi - lo)
-                        _fill(col, dst + hi, ow - hi)
-
-
-@_jit
-def _col2im(col, im, n, channels, height, width, kh, kw, sh, sw, ph, pw, dh, dw, oh,
-            ow):  # pragma: no cover - compiled
-    # Caffe's col2im_cpu: zero, then add the columns in (kernel row, kernel col) order
-    ncols = n * oh * ow
-    for o in range(im.size):
-        im[o] = 0
-    for c in range(channels):
-        for i in range(kh):
-            for j in range(kw):
-                row = ((c * kh + i) * kw + j) * ncols
-                w0 = j * dw - pw
-                lo, hi = _span(w0, sw, ow, width)
-                for b in range(n):
-                    plane = (b * channels + c) * height * width
-                    for y in range(oh):
-                        h = y * sh - ph + i * dh
-                        if h < 0 or h >= height:
-                            continue
-                        _scatter_add(im, plane + h * width + w0 + lo * sw, sw, col,
-                                     row + (b * oh + y) * ow + lo, hi - lo)
 
 
 @_jit
@@ -126,7 +113,7 @@ def _max_pool_backward(dy, arg, out, planes, height, width, kh, kw, sh, sw, ph, 
     dj = np.empty(kh * kw, dtype=np.int64)
     for k in range(kh * kw):
         di[k], dj[k] = k // kw, k % kw
-    _fill(out, 0, planes * height * width)
+    _fill(out, 0, out.size)
     o = np.uint64(0)
     for p in range(planes):
         plane = p * height * width
@@ -255,7 +242,7 @@ def _out(a: np.ndarray) -> np.ndarray:
 def im2col(x: np.ndarray, g: Any) -> np.ndarray:
     """Columns (C*kh*kw, n*out_h*out_w) of (n, C, H, W) ``x``, as ``im2col.im2col``."""
     col = np.empty((g.col_rows, x.shape[0] * g.out_h * g.out_w), dtype=x.dtype)
-    _im2col(_flat(x), col.reshape(-1), x.shape[0], g.channels, g.height, g.width, g.kernel_h,
+    _im2col(_flat(x), col.reshape(-1), False, x.shape[0], g.channels, g.height, g.width, g.kernel_h,
             g.kernel_w, g.stride_h, g.stride_w, g.pad_h, g.pad_w, g.dilation_h, g.dilation_w,
             g.out_h, g.out_w)
     return col
@@ -263,7 +250,7 @@ def im2col(x: np.ndarray, g: Any) -> np.ndarray:
 
 def col2im(col: np.ndarray, g: Any, out: np.ndarray) -> np.ndarray:
     """Sum the (C*kh*kw, n*out_h*out_w) columns onto ``out`` (n, C, H, W), overwriting it."""
-    _col2im(_flat(col), _out(out), out.shape[0], g.channels, g.height, g.width, g.kernel_h,
+    _im2col(_out(out), _flat(col), True, out.shape[0], g.channels, g.height, g.width, g.kernel_h,
             g.kernel_w, g.stride_h, g.stride_w, g.pad_h, g.pad_w, g.dilation_h, g.dilation_w,
             g.out_h, g.out_w)
     return out
