@@ -147,21 +147,11 @@ def _channel_window(buf, c, channels, plane, pre, size, out, o):  # pragma: no c
             out[o_u + t] += 0
 
 
-@_inline
-def _neg_power(s, beta_mode):  # pragma: no cover - compiled
-    # s ** -beta as lrn._neg_power computes it (beta 0.75, 0.5, 1)
-    if beta_mode == 0:
-        r = np.sqrt(s)
-        r = r * np.sqrt(r)
-        return 1 / r
-    if beta_mode == 1:
-        return 1 / np.sqrt(s)
-    return 1 / s
-
-
 @_jit
-def _lrn_forward(x, top, scale, factor, n, channels, plane, pre, size, a, k,
+def _lrn_forward(x, top, scale, factor, n, channels, plane, pre, size, a, k, one,
                  beta_mode):  # pragma: no cover - compiled
+    # scale^-beta as lrn._neg_power computes it (beta 0.75, 0.5, 1), one loop per beta so
+    # that the loops vectorise (a branch in them made norm1's forward 10x slower)
     per_image = channels * plane
     sq = np.empty(per_image, dtype=x.dtype)
     for b in range(n):
@@ -172,12 +162,23 @@ def _lrn_forward(x, top, scale, factor, n, channels, plane, pre, size, a, k,
         for c in range(channels):
             o = base + c * plane
             _channel_window(sq, c, channels, plane, pre, size, scale, o)
-            for t in range(np.uint64(o), np.uint64(o + plane)):
+            span = range(np.uint64(o), np.uint64(o + plane))
+            for t in span:
                 s = scale[t] * a
-                s = s + k
-                scale[t] = s
-                factor[t] = _neg_power(s, beta_mode)  # rounded to the dtype here,
-                top[t] = x[t] * factor[t]  # then used, as in NumPy
+                scale[t] = s + k
+            if beta_mode == 0:
+                for t in span:
+                    r = np.sqrt(scale[t])
+                    r = r * np.sqrt(r)
+                    factor[t] = one / r
+            elif beta_mode == 1:
+                for t in span:
+                    factor[t] = one / np.sqrt(scale[t])
+            else:
+                for t in span:
+                    factor[t] = one / scale[t]
+            for t in span:
+                top[t] = x[t] * factor[t]
 
 
 @_jit
@@ -216,7 +217,7 @@ def lrn_forward(x: np.ndarray, size: int, alpha: float, beta: float,
     top, scale, factor = (np.empty(x.shape, x.dtype) for _ in range(3))
     dt = x.dtype.type
     _lrn_forward(_flat(x), top.reshape(-1), scale.reshape(-1), factor.reshape(-1), n, channels,
-                 x[0, 0].size, (size - 1) // 2, size, dt(alpha / size), dt(k),
+                 x[0, 0].size, (size - 1) // 2, size, dt(alpha / size), dt(k), dt(1),
                  _BETA_MODES[beta])
     return top, scale, factor
 
