@@ -28,13 +28,18 @@ def available() -> bool:
     return numba is not None and os.environ.get("POSEIDON_NUMBA", "1") != "0"
 
 
+#: error_model "numpy": IEEE division (x/0 is inf, as in NumPy) instead of Python's check for
+#: a zero divisor, a branch that keeps a loop from vectorising (LRN's forward: 4x)
+_OPTIONS = dict(boundscheck=False, error_model="numpy")
+
+
 def _jit(fn: Any) -> Any:
-    return numba.njit(cache=True, nogil=True, boundscheck=False)(fn) if numba else fn
+    return numba.njit(cache=True, nogil=True, **_OPTIONS)(fn) if numba else fn
 
 
 def _inline(fn: Any) -> Any:
     """An inner loop, inlined into its caller (a call per window row costs more than its work)."""
-    return numba.njit(inline="always", boundscheck=False)(fn) if numba else fn
+    return numba.njit(inline="always", **_OPTIONS)(fn) if numba else fn
 
 
 @_inline
