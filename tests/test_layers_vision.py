@@ -209,11 +209,13 @@ def test_deconvolution_is_the_adjoint_of_convolution():
 @pytest.mark.parametrize("kind", ["Convolution", "Deconvolution"])
 @pytest.mark.parametrize("strategy", [(K, "CHUNK_BYTES", 1), (K, "_NS_PER_ROW", 0.0),
                                       (K, "_NS_PER_ROW", 1e9), (V, "SMALL_WEIGHT_GRADIENT", 0),
-                                      (V, "SMALL_WEIGHT_GRADIENT", 1 << 30)])
+                                      (V, "SMALL_WEIGHT_GRADIENT", 1 << 30),
+                                      (V, "PER_IMAGE_FILTER_ROWS", 0),
+                                      (V, "PER_IMAGE_FILTER_ROWS", 1 << 30)])
 @pytest.mark.parametrize("numba", ["0", "1"])
 def test_cpu_strategies_agree(monkeypatch, kind, strategy, numba):
-    """One image per chunk, col2im with and without the wide grid, and weight gradients by
-    one GEMM or one per image, give the same, with the NumPy kernels and the compiled ones
+    """One image per chunk, col2im with and without the wide grid, and the filtering and
+    weight gradients by one GEMM or one per image, give the same, with the NumPy kernels and the compiled ones
     (which have no wide grid)."""
     monkeypatch.setenv("POSEIDON_NUMBA", numba)
     body = "num_output: 4 kernel_size: 3 pad: 1 group: 2"
