@@ -1,7 +1,9 @@
-"""`poseidon bench time`: forward + backward of the engine beside PyTorch CPU."""
+"""`poseidon bench time`: forward + backward of the engine beside the real Caffe and PyTorch CPU."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import click
@@ -12,12 +14,18 @@ from .main import fail
 @click.command("time")
 @click.option("--nets", default="lenet,cifar10_quick,alexnet", show_default=True,
               help="Nets of the zoo to time.")
-@click.option("--repeats", type=int, default=3, show_default=True,
+@click.option("--repeats", type=int, default=5, show_default=True,
               help="Alternating repetitions (the median is reported).")
 @click.option("--iterations", type=int, default=None, help="Passes per timing (default per net).")
+@click.option("--threads", default="1", show_default=True,
+              help="BLAS threads of every peer: a number, or 'all' (this machine's cores).")
+@click.option("--caffe", "caffe", default=None,
+              help="A `caffe` binary (BVLC Caffe) to time in the same run; without it, Caffe's "
+                   "recorded times are shown, labelled as recorded.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-def time_cmd(nets: str, repeats: int, iterations: int | None, json_path: str | None) -> None:
-    """The engine's forward+backward (one thread) next to PyTorch CPU, alternating runs."""
+def time_cmd(nets: str, repeats: int, iterations: int | None, threads: str, caffe: str | None,
+             json_path: str | None) -> None:
+    """The engine's forward+backward next to Caffe and PyTorch CPU, alternating runs."""
     from engine.perf.bench_comm import cpu_name_and_blas
     from engine.perf.bench_time import NETS, run, torch_available
 
@@ -27,13 +35,22 @@ def time_cmd(nets: str, repeats: int, iterations: int | None, json_path: str | N
         fail(f"--nets: unknown {', '.join(unknown)} (choose from {', '.join(NETS)})")
     if repeats < 1 or (iterations is not None and iterations < 1):
         fail("--repeats and --iterations must be positive")
-    click.echo(f"machine: {cpu_name_and_blas()}")
+    n_threads = (os.cpu_count() or 1) if threads == "all" else int(threads) if threads.isdigit() else 0
+    if n_threads < 1:
+        fail(f"--threads must be a positive number or 'all', got {threads!r}")
+    if caffe is not None:
+        found = shutil.which(caffe)
+        if found is None:
+            fail(f"--caffe {caffe}: no such executable")
+        caffe = found
+    click.echo(f"machine: {cpu_name_and_blas()}; {n_threads} BLAS thread(s) per peer")
     if not torch_available():
-        click.echo("PyTorch is not installed (pip install torch==2.13.0): the engine alone, "
-                   "no ratio")
+        click.echo("PyTorch is not installed (pip install torch==2.13.0): no PyTorch peer")
     try:
-        report = run(chosen, repeats, iterations, click.echo)
+        report = run(chosen, repeats, iterations, n_threads, caffe, click.echo)
     except RuntimeError as e:
         fail(str(e))
+    for peer, blas in report["blas"].items():
+        click.echo(f"{peer:8} {blas}")
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=1) + "\n")

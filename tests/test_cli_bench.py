@@ -81,6 +81,33 @@ def test_bench_time_without_torch_times_the_engine_alone(monkeypatch, tmp_path):
     assert report["peers"] == ["poseidon"]
     assert report["nets"]["lenet"]["median_ms"]["poseidon"] > 0
     assert "ratio_vs_torch" not in report["nets"]["lenet"]
+    # no Caffe binary: its recorded time, said to be recorded
+    assert "RECORDED, not this run" in r.output
+    assert report["nets"]["lenet"]["recorded_caffe_ms"] == 17.6
+    assert "openblas" in report["blas"]["poseidon"].lower()
+
+
+def test_bench_time_times_a_given_caffe_on_the_same_net(monkeypatch, tmp_path):
+    from engine.perf import bench_time
+    from poseidon_cli.main import cli
+    monkeypatch.setattr(bench_time, "torch_available", lambda: False)
+    # a stand-in for `caffe time`: checks it was handed a readable net, prints Caffe's lines
+    fake = tmp_path / "caffe"
+    fake.write_text("#!/bin/sh\n"
+                    'test "$1" = time && grep -q \'type: "Input"\' "$3" || exit 3\n'
+                    'echo "Core: Haswell" >&2\n'
+                    'echo "I1125 caffe.cpp:412] Average Forward-Backward: 40 ms." >&2\n')
+    fake.chmod(0o755)
+    out = tmp_path / "time.json"
+    r = CliRunner().invoke(cli, ["bench", "time", "--nets", "lenet", "--repeats", "1",
+                                 "--iterations", "1", "--caffe", str(fake), "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    report = json.loads(out.read_text())
+    lenet = report["nets"]["lenet"]
+    assert report["peers"] == ["poseidon", "caffe"] and lenet["median_ms"]["caffe"] == 40.0
+    assert lenet["ratio_vs_caffe"] == pytest.approx(lenet["median_ms"]["poseidon"] / 40.0)
+    assert "recorded_caffe_ms" not in lenet and "RECORDED" not in r.output
+    assert "Haswell kernel, 1 threads" in report["blas"]["caffe"]
 
 
 def test_bench_train_poseidon_side(monkeypatch, tmp_path):

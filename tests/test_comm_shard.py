@@ -284,7 +284,7 @@ def test_the_shard_threads_travel_from_the_command_line_to_the_shard():
     config = JobConfig("s.prototxt", "h.txt", shard_threads=3)
     assert JobConfig.from_json(config.to_json()).shard_threads == 3
     assert JobConfig("s", "h").shard_threads == DEFAULT_THREADS
-    cmd = shard_command(1, "h.txt", 30.0, 1 << 20, config.shard_threads)
+    cmd = shard_command(1, 30.0, 1 << 20, config.shard_threads)
     assert cmd[cmd.index("--threads") + 1] == "3"
     with pytest.raises(CommError, match="--shard-threads must be >= 0, got -1"):
         JobConfig("s", "h", shard_threads=-1)

@@ -9,7 +9,9 @@ from google.protobuf import text_format
 from engine import backend
 from engine.blob import Blob
 from engine.layers import LayerError, create_layer
+from engine.layers import compiled
 from engine.layers import im2col as K
+from engine.layers import vision as V
 from engine.pb import caffe_pb2
 from tests.gradcheck import check_layer_gradients, make_layer
 
@@ -205,10 +207,17 @@ def test_deconvolution_is_the_adjoint_of_convolution():
 
 
 @pytest.mark.parametrize("kind", ["Convolution", "Deconvolution"])
-@pytest.mark.parametrize("strategy", [{"CHUNK_BYTES": 1}, {"_NS_PER_ROW": 0.0},
-                                      {"_NS_PER_ROW": 1e9}])
-def test_cpu_strategies_agree(monkeypatch, kind, strategy):
-    """One image per chunk, and col2im with and without the wide grid, give the same."""
+@pytest.mark.parametrize("strategy", [(K, "CHUNK_BYTES", 1), (K, "_NS_PER_ROW", 0.0),
+                                      (K, "_NS_PER_ROW", 1e9), (V, "SMALL_WEIGHT_GRADIENT", 0),
+                                      (V, "SMALL_WEIGHT_GRADIENT", 1 << 30),
+                                      (V, "PER_IMAGE_FILTER_ROWS", 0),
+                                      (V, "PER_IMAGE_FILTER_ROWS", 1 << 30)])
+@pytest.mark.parametrize("numba", ["0", "1"])
+def test_cpu_strategies_agree(monkeypatch, kind, strategy, numba):
+    """One image per chunk, col2im with and without the wide grid, and the filtering and
+    weight gradients by one GEMM or one per image, give the same, with the NumPy kernels and the compiled ones
+    (which have no wide grid)."""
+    monkeypatch.setenv("POSEIDON_NUMBA", numba)
     body = "num_output: 4 kernel_size: 3 pad: 1 group: 2"
     layer, bottom, top = build(conv_text(kind, body), [(5, 4, 5, 6)])
 
@@ -221,8 +230,7 @@ def test_cpu_strategies_agree(monkeypatch, kind, strategy):
         return [y, bottom[0].diff.copy()] + [p.diff.copy() for p in layer.blobs]
 
     want = pass_()
-    for name, value in strategy.items():
-        monkeypatch.setattr(K, name, value)
+    monkeypatch.setattr(*strategy)
     for got, ref in zip(pass_(), want):
         np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
 
@@ -421,6 +429,29 @@ def test_lrn_within_channel(size, alpha, beta):
     check_layer_gradients(layer, bottom, top)
 
 
+@pytest.mark.skipif(not compiled.available(), reason="needs Numba (poseidon[fast])")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("size, beta", [(1, 0.75), (3, 0.5), (5, 0.75), (7, 1.0)])
+def test_lrn_compiled_equals_numpy(monkeypatch, dtype, size, beta):
+    """The compiled ACROSS_CHANNELS form does NumPy's operations in NumPy's order: equal to
+    the bit, signs of zeros included, forward and backward."""
+    def pass_(numba):
+        monkeypatch.setenv("POSEIDON_NUMBA", numba)
+        layer, bottom, top = build(lrn_text(f"local_size: {size} alpha: 0.001 beta: {beta} k: 2"),
+                                   [(2, 6, 5, 7)], dtype=dtype)
+        bottom[0].data[...] *= 30
+        bottom[0].data[0, 0, 0, :2] = [0.0, -0.0]
+        (y,) = run(layer, bottom, top)
+        top[0].diff[...] = np.random.default_rng(1).standard_normal(top[0].shape)
+        top[0].diff[0, :, 0, 0] = 0
+        layer.backward(top, [True], bottom)
+        return y, bottom[0].diff.copy()
+
+    for got, want in zip(pass_("1"), pass_("0")):
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
 def test_lrn_defaults_and_even_size():
     layer, bottom, top = build(lrn_text(""), [(1, 6, 2, 2)])
     (y,) = run(layer, bottom, top)  # Caffe defaults: local_size 5, alpha 1, beta 0.75, k 1
@@ -503,6 +534,52 @@ def test_vision_layers_match_real_caffe(net):
     assert checked >= 4
 
 
+# ------------------------------------------------------------------ compiled CPU kernels
+
+def conv_geometry(c, h, w, kh, kw, sh, sw, ph, pw, dh, dw):
+    return K.Geometry(c, h, w, kh, kw, sh, sw, ph, pw, dh, dw, K.conv_out_size(h, kh, ph, sh, dh),
+                      K.conv_out_size(w, kw, pw, sw, dw))
+
+
+@pytest.mark.skipif(not compiled.available(), reason="needs Numba (poseidon[fast])")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("geo", [(3, 2, 2, 1, 1, 0, 1, 2), (3, 3, 1, 1, 2, 2, 2, 2),
+                                 (1, 1, 1, 1, 0, 0, 1, 1), (5, 5, 1, 1, 0, 0, 1, 1),
+                                 (4, 4, 3, 3, 1, 2, 1, 1)])
+def test_compiled_conv_kernels_equal_the_numpy_ones(dtype, geo):
+    """im2col copies and col2im adds in Caffe's order in both forms: equal to the bit."""
+    n, c, h, w = 3, 4, 9, 8
+    g = conv_geometry(c, h, w, *geo)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, c, h, w)).astype(dtype)
+    np.testing.assert_array_equal(compiled.im2col(x, g), K._im2col_cpu(x, g))
+    cols = rng.standard_normal((g.col_rows, n * g.out_h * g.out_w)).astype(dtype)
+    np.testing.assert_array_equal(compiled.col2im(cols, g, np.empty_like(x)),
+                                  K._col2im_cpu(cols, g, n))
+
+
+@pytest.mark.skipif(not compiled.available(), reason="needs Numba (poseidon[fast])")
+@pytest.mark.parametrize("geo", [(3, 3, 2, 2, 0, 0), (3, 2, 2, 1, 1, 1), (3, 3, 2, 2, 2, 2),
+                                 (2, 2, 2, 2, 0, 0), (3, 3, 1, 1, 1, 1)])
+def test_compiled_max_pool_backward_equals_the_numpy_one(geo):
+    """Same routing; the sums of overlapping windows differ only in order (Caffe's here)."""
+    kh, kw, sh, sw, ph, pw = geo
+    n, c, h, w = 2, 3, 9, 10
+    pad = bool(ph or pw)
+    g = K.Geometry(c, h, w, kh, kw, sh, sw, ph, pw, 1, 1, K.pool_out_size(h, kh, ph, sh, pad),
+                   K.pool_out_size(w, kw, pw, sw, pad))
+    rng = np.random.default_rng(0)
+    x = np.round(rng.standard_normal((n, c, h, w)) * 2).astype(np.float32) / 2  # with ties
+    _, arg = K.max_pool_forward(x, g)
+    dy = rng.standard_normal(arg.shape).astype(np.float32)
+    want, got = np.empty_like(x), np.empty_like(x)
+    K._max_pool_backward_cpu(dy, arg, g, want)
+    compiled.max_pool_backward(dy, arg, g, got)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    if kh <= sh and kw <= sw:  # no overlap: one term per input, so equal to the bit
+        np.testing.assert_array_equal(got, want)
+
+
 # ------------------------------------------------------------------ GPU kernels
 
 _EMULATION_PRELUDE = """#define __global__
@@ -544,8 +621,7 @@ def _c_args(*values):
 def test_gpu_conv_kernels_on_cpu(cuda_source_on_cpu, geo):
     kh, kw, sh, sw, ph, pw, dh, dw = geo
     n, c, h, w = 2, 3, 7, 6
-    g = K.Geometry(c, h, w, kh, kw, sh, sw, ph, pw, dh, dw, K.conv_out_size(h, kh, ph, sh, dh),
-                   K.conv_out_size(w, kw, pw, sw, dw))
+    g = conv_geometry(c, h, w, *geo)
     dims = (n, c, h, w, kh, kw, sh, sw, ph, pw, dh, dw, g.out_h, g.out_w)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, c, h, w))

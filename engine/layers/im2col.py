@@ -22,6 +22,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from .. import backend
+from . import compiled
 
 #: CPU convolutions process the minibatch in chunks whose column buffer is about this big,
 #: so im2col writes and the GEMM reads stay in cache (one image per chunk at least).
@@ -497,7 +498,7 @@ def _conv_args(g: Geometry, n: int) -> tuple[np.int32, ...]:
 def im2col(x: Any, g: Geometry) -> Any:
     """Columns (C*kh*kw, n*out_h*out_w) of the image batch ``x`` (n, C, H, W)."""
     if not backend.is_gpu_array(x):
-        return _im2col_cpu(x, g)
+        return compiled.im2col(x, g) if compiled.available() else _im2col_cpu(x, g)
     import cupy
     x = cupy.ascontiguousarray(x)
     n = x.shape[0]
@@ -518,10 +519,11 @@ def grid_width(g: Geometry, xp: Any, inner: int) -> int:
     the grid is then "wide" (junk columns past ``out_w``, holding zeros), and col2im's
     kh*kw shifted adds become long contiguous runs instead of rows of out_w elements.
     That costs the GEMM producing the columns (inner dimension ``inner``) the extra
-    columns, so the wide grid is used where the saved loop overhead is larger.
+    columns, so the wide grid is used where the saved loop overhead is larger, and never
+    with the compiled col2im, which has no loop overhead to save.
     """
     wide = g.width + 2 * g.pad_w
-    if xp is not np or g.stride_h != 1 or g.stride_w != 1:
+    if xp is not np or g.stride_h != 1 or g.stride_w != 1 or compiled.available():
         return g.out_w
     if (wide - g.out_w) * (inner * _NS_PER_FMA + _NS_PER_ADD) < _NS_PER_ROW:
         return wide
@@ -539,18 +541,24 @@ def grid_operand(a: Any, g: Geometry, groups: int) -> Any:
     return out.reshape(groups, c // groups, n * g.out_h * gw)
 
 
-def col2im(col: Any, g: Geometry, n: int) -> Any:
+def col2im(col: Any, g: Geometry, n: int, out: Any = None) -> Any:
     """Sum the columns back onto an (n, C, H, W) batch (the adjoint of ``im2col``).
 
     ``col`` is (C*kh*kw, n*out_h*width), from a GEMM with a ``grid_operand``: width is
-    ``out_w`` or, for a wide grid, the padded image width. The CPU form may return a
-    non-contiguous view; callers copy it where it must go.
+    ``out_w`` or, for a wide grid, the padded image width. Writes into ``out`` (C-contiguous)
+    and returns it when given; else the NumPy form may return a non-contiguous view.
     """
     if not backend.is_gpu_array(col):
-        return _col2im_cpu(col, g, n)
+        if compiled.available():
+            shape = (n, g.channels, g.height, g.width)
+            return compiled.col2im(col, g, np.empty(shape, col.dtype) if out is None else out)
+        if out is None:
+            return _col2im_cpu(col, g, n)
+        out[...] = _col2im_cpu(col, g, n)
+        return out
     import cupy
     col = cupy.ascontiguousarray(col)
-    im = cupy.empty((n, g.channels, g.height, g.width), dtype=col.dtype)
+    im = cupy.empty((n, g.channels, g.height, g.width), dtype=col.dtype) if out is None else out
     _launch("col2im", col.dtype, im.size, col, im, np.int64(im.size), *_conv_args(g, n))
     return im
 
@@ -571,7 +579,10 @@ def max_pool_forward(x: Any, g: Geometry) -> tuple[Any, Any]:
 def max_pool_backward(dy: Any, arg: Any, g: Geometry, out: Any) -> None:
     """Route each top gradient to its argmax, overwriting ``out`` (n, C, H, W), C-contiguous."""
     if not backend.is_gpu_array(dy):
-        _max_pool_backward_cpu(dy, arg, g, out)
+        if compiled.available() and not _is_global(g):
+            compiled.max_pool_backward(dy, arg, g, out)
+        else:
+            _max_pool_backward_cpu(dy, arg, g, out)
         return
     import cupy
     dy = cupy.ascontiguousarray(dy)

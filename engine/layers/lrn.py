@@ -10,7 +10,7 @@ stride 1, so the divisor is always size^2), Power and Eltwise PROD:
 the same result and its exact gradient directly.
 
 Both forms are array-module generic (whole-array slices and adds), so they run unchanged
-on CuPy.
+on CuPy; they are the reference for ACROSS_CHANNELS's compiled CPU form (``compiled``).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from typing import Any, Sequence
 from .. import backend
 from ..blob import Blob
 from ..pb import caffe_pb2
+from . import compiled
 from .base import Layer, register
 
 _LRN = caffe_pb2.LRNParameter
@@ -81,8 +82,18 @@ class LRNLayer(Layer):
                             f"got shape {bottom[0].shape}")
         top[0].reshape(bottom[0].shape)
 
+    def _compiled(self, x: Any) -> bool:
+        """Whether the compiled CPU form serves (it computes ACROSS_CHANNELS)."""
+        return (self.region == _LRN.ACROSS_CHANNELS and not backend.is_gpu_array(x)
+                and compiled.lrn_supports(self.beta))
+
     def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
         x = bottom[0].data
+        if self._compiled(x):
+            y, self.scale, self.factor = compiled.lrn_forward(x, self.size, self.alpha,
+                                                              self.beta, self.k)
+            top[0].data[...] = y
+            return
         dt = x.dtype.type
         sq = x * x
         if self.region == _LRN.ACROSS_CHANNELS:
@@ -102,6 +113,10 @@ class LRNLayer(Layer):
         if not propagate_down[0]:
             return
         x, y, dy = bottom[0].data, top[0].data, top[0].diff
+        if self._compiled(x):
+            compiled.lrn_backward(x, y, dy, self.scale, self.factor, self.size,
+                                  2 * self.alpha * self.beta / self.size, bottom[0].diff)
+            return
         dt = x.dtype.type
         ratio = dy * y
         ratio /= self.scale

@@ -1,0 +1,269 @@
+"""Compiled CPU forms of im2col, col2im, MAX pooling's backward and LRN, when Numba is there.
+
+NumPy pays per inner loop, and the window kernels' inner loops are a window row (LeNet's
+conv2: 8 elements), so its forms in ``im2col`` run at a few GB/s; Caffe's plain C loops run
+several times faster, and they decide whether Poseidon keeps up with Caffe on the small nets.
+LRN in NumPy is some twenty passes over blobs that do not fit in cache (AlexNet's norm1:
+37 MB); here it is one pass per image. These are Caffe's loops, compiled by Numba, in the
+NumPy forms' operation order (equal to the bit: the tests check it); the NumPy forms stay
+the reference, and these are used only when Numba imports (``pip install 'poseidon[fast]'``)
+and POSEIDON_NUMBA is not 0. Compiled code is cached on disk, so a
+process pays the compilation (about a second per kernel and dtype) once per machine.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+try:  # optional: without it the NumPy forms serve
+    import numba
+except ImportError:  # pragma: no cover - depends on the install
+    numba = None
+
+
+def available() -> bool:
+    """True when the compiled forms are to be used."""
+    return numba is not None and os.environ.get("POSEIDON_NUMBA", "1") != "0"
+
+
+#: error_model "numpy": IEEE division (x/0 is inf, as in NumPy) instead of Python's check for
+#: a zero divisor, a branch that keeps a loop from vectorising (LRN's forward: 4x)
+_OPTIONS = dict(boundscheck=False, error_model="numpy")
+
+
+def _jit(fn: Any) -> Any:
+    return numba.njit(cache=True, nogil=True, **_OPTIONS)(fn) if numba else fn
+
+
+def _inline(fn: Any) -> Any:
+    """An inner loop, inlined into its caller (a call per window row costs more than its work)."""
+    return numba.njit(inline="always", **_OPTIONS)(fn) if numba else fn
+
+
+@_inline
+def _span(offset, stride, out, size):  # pragma: no cover - compiled
+    # the outputs o in [lo, hi) whose input o * stride + offset lies in [0, size)
+    lo = 0 if offset >= 0 else (-offset + stride - 1) // stride
+    hi = 0 if offset >= size else (size - offset + stride - 1) // stride
+    return min(lo, out), max(min(hi, out), min(lo, out))
+
+
+# The kernels take flat C-contiguous arrays and clip each window row to the image once,
+# so their inner loops have no branch; the inner loops index with unsigned integers, for
+# which Numba drops its negative-index wraparound, and LLVM then vectorises them (3x).
+
+@_inline
+def _gather(dst, d, src, s, stride, count):  # pragma: no cover - compiled
+    d, s, stride = np.uint64(d), np.uint64(s), np.uint64(stride)
+    for t in range(np.uint64(count)):
+        dst[d + t] = src[s + t * stride]
+
+
+@_inline
+def _scatter_add(dst, d, stride, src, s, count):  # pragma: no cover - compiled
+    d, s, stride = np.uint64(d), np.uint64(s), np.uint64(stride)
+    for t in range(np.uint64(count)):
+        dst[d + t * stride] += src[s + t]
+
+
+@_inline
+def _fill(dst, d, count):  # pragma: no cover - compiled
+    d = np.uint64(d)
+    for t in range(np.uint64(count)):
+        dst[d + t] = 0
+
+@_jit
+def _im2col(im, col, adjoint, n, channels, height, width, kh, kw, sh, sw, ph, pw, dh, dw, oh,
+            ow):  # pragma: no cover - compiled
+    # col rows (c, i, j), columns (image, y, x): the layout of im2col's NumPy form. The
+    # adjoint (col2im) is Caffe's col2im_cpu: zero, then add the columns in (kernel row,
+    # kernel col) order.
+    ncols = n * oh * ow
+    if adjoint:
+        _fill(im, 0, im.size)
+    for c in range(channels):
+        for i in range(kh):
+            for j in range(kw):
+                row = ((c * kh + i) * kw + j) * ncols
+                w0 = j * dw - pw
+                lo, hi = _span(w0, sw, ow, width)
+                for b in range(n):
+                    plane = (b * channels + c) * height * width
+                    for y in range(oh):
+                        dst = row + (b * oh + y) * ow
+                        h = y * sh - ph + i * dh
+                        inside = 0 <= h < height
+                        if adjoint:
+                            if inside:
+                                _scatter_add(im, plane + h * width + w0 + lo * sw, sw, col,
+                                             dst + lo, hi - lo)
+                        elif inside:
+                            _fill(col, dst, lo)
+                            _gather(col, dst + lo, im, plane + h * width + w0 + lo * sw, sw,
+                                    hi - lo)
+                            _fill(col, dst + hi, ow - hi)
+                        else:
+                            _fill(col, dst, ow)
+
+
+@_jit
+def _max_pool_backward(dy, arg, out, planes, height, width, kh, kw, sh, sw, ph, pw, oh,
+                       ow):  # pragma: no cover - compiled
+    # Caffe's order: zero, then each output adds its gradient at its argmax, in scan order.
+    # ``arg`` is the window offset (row-major in the kernel); tables turn it into (i, j)
+    # without a division per output.
+    di = np.empty(kh * kw, dtype=np.int64)
+    dj = np.empty(kh * kw, dtype=np.int64)
+    for k in range(kh * kw):
+        di[k], dj[k] = k // kw, k % kw
+    _fill(out, 0, out.size)
+    o = np.uint64(0)
+    for p in range(planes):
+        plane = p * height * width
+        for y in range(oh):
+            h0 = y * sh - ph
+            for xo in range(ow):
+                k = np.uint64(arg[o])
+                h = h0 + di[k]
+                w = xo * sw - pw + dj[k]
+                if 0 <= h < height and 0 <= w < width:
+                    out[np.uint64(plane + h * width + w)] += dy[o]
+                o += np.uint64(1)
+
+
+@_inline
+def _channel_window(buf, c, channels, plane, pre, size, out, o):  # pragma: no cover
+    # out[o:o+plane] = the sum of buf's planes c-pre .. c-pre+size-1, zero padded, added in
+    # the order of lrn._window_sum (it starts from the first window slot, a padding zero or
+    # a plane, and adds the rest; a padding zero added changes the sign of a -0.0 sum)
+    first = c - pre
+    lo, hi = max(first, 0), min(first + size, channels)
+    lo_u, o_u, plane_u = np.uint64(lo * plane), np.uint64(o), np.uint64(plane)
+    for t in range(plane_u):
+        out[o_u + t] = buf[lo_u + t] + 0 if first < 0 else buf[lo_u + t]
+    for k in range(lo + 1, hi):
+        k_u = np.uint64(k * plane)
+        for t in range(plane_u):
+            out[o_u + t] += buf[k_u + t]
+    if first + size > channels:
+        for t in range(plane_u):
+            out[o_u + t] += 0
+
+
+@_jit
+def _lrn_forward(x, top, scale, factor, n, channels, plane, pre, size, a, k, one,
+                 beta_mode):  # pragma: no cover - compiled
+    # scale^-beta as lrn._neg_power computes it (beta 0.75, 0.5, 1), one loop per beta so
+    # that the loops vectorise (a branch in them made norm1's forward 10x slower)
+    per_image = channels * plane
+    sq = np.empty(per_image, dtype=x.dtype)
+    for b in range(n):
+        base = b * per_image
+        for t in range(np.uint64(per_image)):
+            v = x[np.uint64(base) + t]
+            sq[t] = v * v
+        for c in range(channels):
+            o = base + c * plane
+            _channel_window(sq, c, channels, plane, pre, size, scale, o)
+            span = range(np.uint64(o), np.uint64(o + plane))
+            for t in span:
+                s = scale[t] * a
+                scale[t] = s + k
+            if beta_mode == 0:
+                for t in span:
+                    r = np.sqrt(scale[t])
+                    r = r * np.sqrt(r)
+                    factor[t] = one / r
+            elif beta_mode == 1:
+                for t in span:
+                    factor[t] = one / np.sqrt(scale[t])
+            else:
+                for t in span:
+                    factor[t] = one / scale[t]
+            for t in span:
+                top[t] = x[t] * factor[t]
+
+
+@_jit
+def _lrn_backward(x, top, dy, scale, factor, dx, n, channels, plane, pre, size,
+                  coeff):  # pragma: no cover - compiled
+    per_image = channels * plane
+    ratio = np.empty(per_image, dtype=x.dtype)
+    for b in range(n):
+        base = b * per_image
+        for t in range(np.uint64(per_image)):
+            i = np.uint64(base) + t
+            r = dy[i] * top[i]
+            ratio[t] = r / scale[i]
+        for c in range(channels):
+            o = base + c * plane
+            _channel_window(ratio, c, channels, plane, pre, size, dx, o)
+            for t in range(np.uint64(o), np.uint64(o + plane)):
+                acc = dx[t] * x[t]
+                acc = acc * coeff
+                d = dy[t] * factor[t]
+                dx[t] = d - acc
+
+
+#: the betas whose power the compiled LRN computes as lrn._neg_power does
+_BETA_MODES = {0.75: 0, 0.5: 1, 1.0: 2}
+
+
+def lrn_supports(beta: float) -> bool:
+    return available() and beta in _BETA_MODES
+
+
+def lrn_forward(x: np.ndarray, size: int, alpha: float, beta: float,
+                k: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ACROSS_CHANNELS LRN of (n, C, H, W) ``x``: (top, scale, scale^-beta)."""
+    n, channels = x.shape[:2]
+    top, scale, factor = (np.empty(x.shape, x.dtype) for _ in range(3))
+    dt = x.dtype.type
+    _lrn_forward(_flat(x), top.reshape(-1), scale.reshape(-1), factor.reshape(-1), n, channels,
+                 x[0, 0].size, (size - 1) // 2, size, dt(alpha / size), dt(k), dt(1),
+                 _BETA_MODES[beta])
+    return top, scale, factor
+
+
+def lrn_backward(x: np.ndarray, top: np.ndarray, dy: np.ndarray, scale: np.ndarray,
+                 factor: np.ndarray, size: int, coeff: float, dx: np.ndarray) -> None:
+    """The bottom gradient of ``lrn_forward`` into ``dx`` (C-contiguous), overwriting it."""
+    n, channels = x.shape[:2]
+    _lrn_backward(_flat(x), _flat(top), _flat(dy), _flat(scale), _flat(factor), _out(dx), n,
+                  channels, x[0, 0].size, (size - 1) // 2, size, x.dtype.type(coeff))
+
+
+def _flat(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).reshape(-1)
+
+
+def _out(a: np.ndarray) -> np.ndarray:
+    if not a.flags.c_contiguous:
+        raise ValueError("the compiled kernels write into C-contiguous arrays")
+    return a.reshape(-1)
+
+
+def im2col(x: np.ndarray, g: Any) -> np.ndarray:
+    """Columns (C*kh*kw, n*out_h*out_w) of (n, C, H, W) ``x``, as ``im2col.im2col``."""
+    col = np.empty((g.col_rows, x.shape[0] * g.out_h * g.out_w), dtype=x.dtype)
+    _im2col(_flat(x), col.reshape(-1), False, x.shape[0], g.channels, g.height, g.width, g.kernel_h,
+            g.kernel_w, g.stride_h, g.stride_w, g.pad_h, g.pad_w, g.dilation_h, g.dilation_w,
+            g.out_h, g.out_w)
+    return col
+
+
+def col2im(col: np.ndarray, g: Any, out: np.ndarray) -> np.ndarray:
+    """Sum the (C*kh*kw, n*out_h*out_w) columns onto ``out`` (n, C, H, W), overwriting it."""
+    _im2col(_out(out), _flat(col), True, out.shape[0], g.channels, g.height, g.width, g.kernel_h,
+            g.kernel_w, g.stride_h, g.stride_w, g.pad_h, g.pad_w, g.dilation_h, g.dilation_w,
+            g.out_h, g.out_w)
+    return out
+
+
+def max_pool_backward(dy: np.ndarray, arg: np.ndarray, g: Any, out: np.ndarray) -> None:
+    """Route each top gradient to its argmax, overwriting ``out`` (n, C, H, W)."""
+    _max_pool_backward(_flat(dy), _flat(arg), _out(out), out.shape[0] * g.channels, g.height,
+                       g.width, g.kernel_h, g.kernel_w, g.stride_h, g.stride_w, g.pad_h,
+                       g.pad_w, g.out_h, g.out_w)
