@@ -16,6 +16,7 @@ from .. import backend
 from ..blob import Blob
 from ..fillers import fill
 from .base import Layer, register
+from .blas import accumulate_matmul
 
 
 def softmax(x: Any, axis: int, out: Any) -> Any:
@@ -97,6 +98,7 @@ class InnerProductLayer(Layer):
             fill(p.bias_filler, self.blobs[1])
         self.param_propagate_down = [True] * len(self.blobs)
         self._factors: tuple[Any, Any] | None = None
+        self._scratch: dict[str, Any] = {}
         #: set by a communicator that rebuilds the weight gradient from the sufficient factors
         #: (SFB): backward then skips its weight-gradient GEMM, the largest product in it
         self.defer_weight_gradient = False
@@ -129,16 +131,12 @@ class InnerProductLayer(Layer):
         if self.param_propagate_down[0] and self.defer_weight_gradient:
             self.remember_factors(top, bottom)
         elif self.param_propagate_down[0]:
-            # dW = dyᵀ·x (or its transpose); one GEMM into a kept buffer, then accumulated as
-            # Caffe does: a fresh weight-sized temporary per call costs page faults (AlexNet fc6
-            # is 151 MB).
-            if getattr(self, "_dw", None) is None or self._dw.shape != w.shape:
-                self._dw = xp.empty_like(w.diff)
+            # dW += dyᵀ·x (or its transpose), accumulated as Caffe's GEMM with beta = 1
+            # (engine/layers/blas.py): no weight-sized temporary where BLAS allows
             if self.transpose:
-                xp.matmul(x.T, dy, out=self._dw)
+                accumulate_matmul(x.T, dy, w.diff, self._scratch)
             else:
-                xp.matmul(dy.T, x, out=self._dw)
-            w.diff += self._dw
+                accumulate_matmul(dy.T, x, w.diff, self._scratch)
             self.remember_factors(top, bottom)
         if self.bias_term and self.param_propagate_down[1]:
             self.blobs[1].diff += dy.sum(axis=0)
