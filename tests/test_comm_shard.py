@@ -133,8 +133,10 @@ def _msg(rank, rnd, values, request=0):
 
 @pytest.mark.parametrize("dtype", ["<f4", "<f2"])
 def test_a_chunk_sum_holds_back_early_ranks_and_rounds(dtype):
-    """Every arrival order of two rounds' pushes, the next round's mixed in: the reference's
-    bits, each round completed once, in order."""
+    """Every arrival order of two rounds' pushes that BSP allows (a worker pushes round 1 of a
+    chunk only once it has the sum of round 0, so after every round-0 push arrived): the
+    reference's bits, each round completed once, in order. The next round's number is taken
+    from its first push (a chunk need not take part in every round)."""
     world = 3
     chunk = _layout([64], dtype)[0]
     rng = np.random.default_rng(3)
@@ -143,7 +145,9 @@ def test_a_chunk_sum_holds_back_early_ranks_and_rounds(dtype):
     refs = [sum_in_rank_order([_msg(r, t, pushes[(t, r)], request=r) for r in range(world)],
                               np.dtype(dtype)) for t in range(2)]
     for order in itertools.permutations(sorted(pushes)):
-        # round 1 comes only after round 0 completed here, or is held back: both orders occur
+        if max(i for i, (t, _) in enumerate(order) if t == 0) > \
+                min(i for i, (t, _) in enumerate(order) if t == 1):
+            continue
         s = ChunkSum(chunk, range(world))
         done = []
         for t, r in order:

@@ -56,12 +56,13 @@ class ChunkSum:
 
     Which buffer may be overwritten when: a sum is sent zero-copy, so its buffer must stay
     unchanged until every worker has received it (a change under a send in flight makes the
-    receiver drop the sum as failed authentication). Round r's sum is sent from buffer r % 2,
-    which is written again only when round r+2 is summed here. Round r+2 starts only after
-    round r+1 is complete (pushes of a later round are held back like early ranks), and round
-    r+1 is complete only when all P workers pushed it; a worker pushes round r+1 of a chunk
-    only after its round r update, which needs the sum of round r of that chunk in hand.
-    So when round r+2 writes buffer r % 2, every worker has received the sum sent from it.
+    receiver drop the sum as failed authentication). A chunk's sums alternate between two
+    buffers (a chunk need not take part in every round: a sparse codec's phases skip some), so
+    a buffer is written again only by the chunk's sum after next. That sum's round starts only
+    once the next one is complete (pushes of a later round are held back like early ranks),
+    which needs every member's push of it; a worker pushes a later round of a chunk only after
+    its update of every earlier round, which needs that round's sum in hand. So when a buffer
+    is written again, every worker has received the sum sent from it.
     (This is BSP's guarantee; bounded staleness s would need s + 2 buffers.)
     One buffer would not do: round r+1's first push can come while round r's sum is still
     going out to a slow worker. On the fp16 wire the float32 accumulator is never sent, so one
@@ -73,7 +74,8 @@ class ChunkSum:
         (every rank when flat; a two-level run's network group)."""
         self.chunk = chunk
         self.members = tuple(members)
-        self.round = 0        # the round being summed
+        self.round = -1       # the round being summed (-1: none yet)
+        self._flip = 0        # the buffer of the round being summed
         self._added = 0       # members 0 .. _added-1 of it are in the buffer
         self._request = 0
         self._early: dict[tuple[int, int], Message] = {}  # (round, rank) -> a push held back
@@ -86,15 +88,17 @@ class ChunkSum:
         """Take one checked push; return (round, sum as sent, request bits) for each round it
         completes (usually none or one; more when held-back pushes of the next round finish it).
 
-        The caller has dropped duplicates and rounds other than the next two (the shard's
+        The caller has dropped duplicates and rounds before the chunk's next (the shard's
         bookkeeping on the receive thread), so a (round, rank) is never taken twice."""
         h = msg.header
         self._early[(h.round, h.sender)] = msg
         done = []
+        if self._added == 0:  # the next round is the lowest held: a chunk's rounds only grow
+            self.round = min(r for r, _ in self._early)
         while self._added < len(self.members) and \
                 (self.round, self.members[self._added]) in self._early:
             m = self._early.pop((self.round, self.members[self._added]))
-            acc = self._acc[self.round % len(self._acc)]
+            acc = self._acc[self._flip % len(self._acc)]
             if self._added == 0:
                 np.copyto(acc, m.arrays[0])  # as astype(float32) does for the reference
                 self._request = m.header.request
@@ -107,11 +111,13 @@ class ChunkSum:
         return done
 
     def _finish(self, acc: np.ndarray) -> tuple[int, np.ndarray, int]:
-        rnd, request = self.round, self._request
-        self.round, self._added, self._request = rnd + 1, 0, 0
+        rnd, request, flip = self.round, self._request, self._flip
+        self._added, self._request, self._flip = 0, 0, flip ^ 1
+        if self._early:
+            self.round = min(r for r, _ in self._early)
         if not self._wire:
             return rnd, acc, request
-        out = self._wire[rnd % 2]
+        out = self._wire[flip]
         return rnd, out, request | to_wire(acc, out)
 
 
