@@ -208,13 +208,16 @@ class Syncer:
     def _probe(self) -> tuple[Link, Link | None]:
         """Rank 0's links: to a worker on another machine (unless --link gave it), and to a
         machine mate when machines run several workers."""
-        machines = self.topology.machines
-        link = self._link
-        if link is None:
-            link = probe_link(self.ep, (WORKER, machines[1][0])) if len(machines) > 1 \
-                else DEFAULT_LINK
-        mates = self.topology.local
+        # the machines as they are, also when every worker runs as a node of its own
+        # (--no-levels): a machine mate's loopback is no measure of the network
+        real = Topology.of(self.ep.hosts, self.rank)
+        machines = real.machines
+        mates = real.local
         local = probe_link(self.ep, (WORKER, mates[1])) if len(mates) > 1 else None
+        link = self._link
+        if link is None:  # one machine: all its traffic is the machine's own
+            link = probe_link(self.ep, (WORKER, machines[1][0])) if len(machines) > 1 \
+                else local or DEFAULT_LINK
         return link, local
 
     def _install(self, plan: pb.Plan) -> None:
