@@ -161,3 +161,28 @@ def test_silent_peer_is_named_by_the_heartbeat_watchdog():
         assert "did not come within 0.5 s" in ep.error
     finally:
         ep.close(say_bye=False)
+
+
+def test_machine_mates_talk_through_a_unix_socket():
+    """Two workers of one hosts line reach each other over ipc:// (their Unix socket exists
+    while they run, the message arrives); workers of two lines at the same address use TCP."""
+    from pathlib import Path
+
+    from engine.comm.transport import ipc_address
+
+    base = free_base_port(4)
+    one = parse_hosts_text(f"127.0.0.1:{base} slots=2\n")
+    two = parse_hosts_text(f"127.0.0.1:{base + 4}\n127.0.0.1:{base + 6}\n")
+    for hosts, local in ((one, True), (two, False)):
+        a = Endpoint((WORKER, 0), hosts, [(WORKER, 1)], key=KEY, timeout=10)
+        b = Endpoint((WORKER, 1), hosts, [(WORKER, 0)], key=KEY, timeout=10)
+        a.checker = b.checker = lambda msg: None
+        try:
+            path = Path(ipc_address(hosts[0].host, hosts[0].port)[len("ipc://"):])
+            assert path.exists() == local
+            b.send((WORKER, 0), header(pb.DATA, scheme="sfb", layer=5), [np.ones(3, np.float32)])
+            [msg] = a.wait_for([message_key(pb.DATA, (WORKER, 1), 0, 5)], "a", timeout=5)
+            np.testing.assert_array_equal(msg.arrays[0], np.ones(3, np.float32))
+        finally:
+            a.close()
+            b.close()

@@ -11,8 +11,8 @@ as BytePS and PHub do, without a leader that does all the work:
 
 So a machine's network link carries one copy of the vector, as one worker per machine with k
 times the batch would, not k copies. Every part is summed once and copied, so replicas stay
-bit-identical. Local traffic is tagged ``<scheme>.local`` and goes over the machine's own
-sockets (loopback inside the machine); the byte counters tell it from network traffic.
+bit-identical. Local traffic is tagged ``<scheme>.local`` and goes through Unix sockets
+(ZeroMQ ipc://, engine/comm/transport.py); the byte counters tell it from network traffic.
 
 ``compose`` builds the scheme instance a unit needs, flat or in levels: the syncer calls it for
 every scheme and has no branch of its own.

@@ -17,12 +17,15 @@ process stops with the same message naming the culprit.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -92,6 +95,20 @@ def header(kind: int, **fields: object) -> pb.Header:
 INDEX_PHASE = 1
 
 
+def ipc_address(host: str, port: int) -> str:
+    """The Unix socket a process bound at ``host``:``port`` also listens on, for its machine
+    mates: in a directory of this user's only (the messages are authenticated regardless)."""
+    d = Path(tempfile.gettempdir()) / f"poseidon-ipc-{os.getuid()}"
+    d.mkdir(mode=0o700, exist_ok=True)
+    tag = hashlib.sha1(host.encode()).hexdigest()[:12]  # a host name may be long; a path not
+    return f"ipc://{d}/{tag}-{port}"
+
+
+def _same_machine(a: HostEntry, b: HostEntry) -> bool:
+    """One machine of the host table (a hosts line, a manager's node), at one address."""
+    return a.machine == b.machine and a.host == b.host
+
+
 def byte_tag(hdr: pb.Header) -> str | None:
     """The tag a DATA message's bytes are counted under: the scheme that set it, and
     '<scheme>/index' for a codec's index vectors. None: not counted (control traffic)."""
@@ -111,10 +128,12 @@ class Endpoint:
                  key: bytes | None, timeout: float = 30.0, stats: CommStats | None = None,
                  exit_grace: float | None = None,
                  snapshot_hint: Callable[[], str | None] | None = None,
-                 max_frame_bytes: int | None = None) -> None:
+                 max_frame_bytes: int | None = None, local_ipc: bool = True) -> None:
         """``key``: the job key every message is authenticated with; None only for a
         benchmark's unauthenticated baseline. ``max_frame_bytes``: the largest frame a
-        legitimate peer sends (ZMQ_MAXMSGSIZE: a peer announcing more is disconnected)."""
+        legitimate peer sends (ZMQ_MAXMSGSIZE: a peer announcing more is disconnected).
+        ``local_ipc``: reach peers on this machine through a Unix socket (ipc://) rather than
+        TCP on loopback (False: a benchmark of the TCP path)."""
         self.me = me
         self.hosts = list(hosts)
         self.peers = [p for p in peers if p != me]
@@ -158,12 +177,18 @@ class Endpoint:
             owner = port_owner(port)
             held = f" (held by {owner})" if owner else ""
             raise CommError(f"{peer_name(me, self.hosts)}: cannot bind port {port}{held}: {e}") from None
+        mine = self.hosts[me[1]]
+        local = [p for p in self.peers if local_ipc and _same_machine(self.hosts[p[1]], mine)]
+        if local:  # machine mates (and a worker's own shard) talk through a Unix socket
+            self._pull.bind(ipc_address(mine.host, port))
         self._push: dict[PeerId, zmq.Socket] = {}
         for p in self.peers:
             s = self._ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.LINGER, 2000)
             e = self.hosts[p[1]]
-            s.connect(e.worker_addr() if p[0] == WORKER else e.shard_addr())
+            peer_port = e.port if p[0] == WORKER else e.shard_port
+            s.connect(ipc_address(e.host, peer_port) if p in local else
+                      f"tcp://{e.host}:{peer_port}")
             self._push[p] = s
         self._threads = [threading.Thread(target=self._recv_loop, name="poseidon-recv", daemon=True),
                          threading.Thread(target=self._heartbeat_loop, name="poseidon-heartbeat",

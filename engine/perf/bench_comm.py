@@ -74,7 +74,7 @@ def _zmq_server(base: int, key: bytes | None, ready: Any) -> None:
     """A shard endpoint: answers a PUSH whose chunk field is 1 with an empty SUM."""
     from engine.comm.transport import Endpoint, header
 
-    ep = Endpoint(SHARD, _hosts(base), [WORKER], key=key, timeout=300)
+    ep = Endpoint(SHARD, _hosts(base), [WORKER], key=key, timeout=300, local_ipc=False)
     ep.checker = lambda msg: None
 
     def on_push(msg: Any) -> None:
@@ -91,7 +91,8 @@ class _ZmqClient:
     def __init__(self, base: int, key: bytes | None) -> None:
         from engine.comm.transport import Endpoint
 
-        self.ep = Endpoint(WORKER, _hosts(base), [SHARD], key=key, timeout=300)
+        self.ep = Endpoint(WORKER, _hosts(base), [SHARD], key=key, timeout=300,
+                           local_ipc=False)
         self.ep.checker = lambda msg: None
         self.round = 0
 
