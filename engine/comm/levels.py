@@ -122,11 +122,7 @@ class Levels(DenseScheme):
         if h.scheme != self.local_tag:
             self.inner.receive(msg)
             return
-        op = self._ops.get((h.layer, h.round, h.phase))
-        if op is None:  # a machine mate is ahead of this worker's backward
-            self._early.setdefault((h.layer, h.round, h.phase), []).append(msg)
-            return
-        self._local_step(op, msg)
+        self.deliver(self._ops, self._early, msg, self._local_step)
 
     def _local_step(self, op: _Op, msg: Message) -> None:
         h = msg.header

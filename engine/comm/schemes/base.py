@@ -246,6 +246,19 @@ class DenseScheme(Scheme):
 
         self.host.codec.reduce(unit, rnd, vec, bits, self.sum_vector, finish)
 
+    def deliver(self, ops: dict, early: dict, msg: "Message",
+                step: Callable[[Any, "Message"], None]) -> None:
+        """``step(op, msg)`` when this worker has started the message's round (``ops`` keyed by
+        unit, round and phase), else hold the message in ``early`` until it has: a peer can be
+        ahead of this worker's backward."""
+        h = msg.header
+        key = (h.layer, h.round, h.phase)
+        op = ops.get(key)
+        if op is None:
+            early.setdefault(key, []).append(msg)
+            return
+        step(op, msg)
+
     @abstractmethod
     def sum_vector(self, unit: Unit, rnd: int, phase: int, vec: np.ndarray, bits: int,
                    on_done: Callable[[np.ndarray, int], None]) -> None:

@@ -105,12 +105,7 @@ class Ring(DenseScheme):
             self._step(op, msg)
 
     def receive(self, msg: Message) -> None:
-        h = msg.header
-        op = self._ops.get((h.layer, h.round, h.phase))
-        if op is None:  # the left neighbour is ahead of this worker's backward
-            self._early.setdefault((h.layer, h.round, h.phase), []).append(msg)
-            return
-        self._step(op, msg)
+        self.deliver(self._ops, self._early, msg, self._step)
 
     def _step(self, op: _Op, msg: Message) -> None:
         h = msg.header
