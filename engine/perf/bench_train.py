@@ -120,7 +120,10 @@ for it in range(iters):
 warm = len(stamps) // 3
 rate = (len(stamps) - 1 - warm) / (stamps[-1] - stamps[warm])
 if rank == 0:
-    print(json.dumps({{"iter_per_s": rate}}))
+    print(json.dumps({{"iter_per_s": rate}}), flush=True)
+# every rank done before any tears down: without it gloo sometimes aborted a rank whose peer
+# had closed its sockets ("terminate called without an active exception")
+dist.barrier()
 dist.destroy_process_group()
 """
 
