@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from . import compiled
-from .compiled import _inline, _jit
+from .compiled import _flat, _inline, _jit, _out
 
 #: the filter transform G (4x3) as one (16, 9) matrix acting on a flattened 3x3 filter
 _G = np.array([[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]])
@@ -304,13 +304,3 @@ class Plan:
         m = np.empty((16, k, th * tw * n), dy.dtype)
         _outputs(m.reshape(-1), tmp, yt.reshape(-1), True, k, th, tw, n)
         return m
-
-
-def _flat(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a).reshape(-1)
-
-
-def _out(a: np.ndarray) -> np.ndarray:
-    if not a.flags.c_contiguous:
-        raise ValueError("the Winograd kernels write into C-contiguous arrays")
-    return a.reshape(-1)
