@@ -31,7 +31,7 @@ from .compiled import _flat, _inline, _jit, _out
 
 #: the filter transform G (4x3) as one (16, 9) matrix acting on a flattened 3x3 filter
 _G = np.array([[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]])
-_GG = np.kron(_G, _G)
+_GG = {np.dtype(t): np.kron(_G, _G).astype(t) for t in (np.float32, np.float64)}
 
 #: Winograd pays from this many input channels per group: below it the transforms cost more
 #: than the GEMM saves (LeNet-like first layers with 1-3 channels)
@@ -211,7 +211,7 @@ def _images_last(x, xt, adjoint, n, channels, h, w, hp, wp, ph, pw):  # pragma: 
 def filters(w: np.ndarray, group: int) -> np.ndarray:
     """U (group, 16, K/group, C/group) = G w G^T of the (K, C/group, 3, 3) weights."""
     k, cg = w.shape[:2]
-    u = (_GG.astype(w.dtype) @ w.reshape(k * cg, 9).T).reshape(16, group, -1, cg)
+    u = (_GG[w.dtype] @ w.reshape(k * cg, 9).T).reshape(16, group, -1, cg)
     return u.transpose(1, 0, 2, 3)
 
 
@@ -224,7 +224,8 @@ class Plan:
         self.g, self.group, self.channels, self.num_output = g, group, g.channels, num_output
         self.th, self.tw = (g.out_h + 1) // 2, (g.out_w + 1) // 2
         per_image = 16 * (g.channels + num_output) * self.th * self.tw * 4
-        step = max(MIN_IMAGES, CHUNK_BYTES // per_image)
+        # a multiple of 8 images: the transforms' inner loops then have no scalar remainder
+        step = max(MIN_IMAGES, CHUNK_BYTES // per_image // 8 * 8)
         self.chunks = [slice(s, min(s + step, images)) for s in range(0, images, step)]
 
     def forward(self, x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:
@@ -252,7 +253,7 @@ class Plan:
         if dw is not None:   # G^T dU G: (group, 16, K/g, C/g) -> (K, C/g, 3, 3)
             k, cg = dw.shape[:2]
             dw += (du.transpose(1, 0, 2, 3).reshape(16, k * cg).T
-                   @ _GG.astype(dw.dtype)).reshape(dw.shape)
+                   @ _GG[dw.dtype]).reshape(dw.shape)
 
     def _grouped(self, a: np.ndarray) -> np.ndarray:
         """(16, C, tiles) -> (group, 16, C/group, tiles) view."""

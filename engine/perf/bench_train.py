@@ -191,9 +191,12 @@ def _wait_all(procs: list[subprocess.Popen], what: str) -> list[tuple[str, str]]
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    if any(p.returncode for p in procs):
+    failed = [(r, p.returncode, e) for r, (p, (_, e)) in enumerate(zip(procs, outs))
+              if p.returncode]
+    if failed:
         raise RuntimeError(f"{what} failed: " + " | ".join(
-            e.strip().splitlines()[-1] for _, e in outs if e.strip()))
+            f"rank {r} exit {rc}: " + " / ".join(e.strip().splitlines()[-3:])
+            for r, rc, e in failed) + f" [rank 0 printed: {outs[0][0].strip()[-80:]!r}]")
     return outs
 
 
