@@ -66,17 +66,19 @@ def cluster(solver: str, workers: str, schemes: str, bandwidth: str, compute: st
                    + f"; compute: {compute}" + (f" from {trace_path}" if trace_path else ""),
                    err=True)
         header = (f"{'P':>3} {'scheme':>7} {'iter ms':>9} {'predicted':>9} {'error':>7} "
-                  f"{'img/s':>8} {'speedup':>7} {'pred.':>6} {'MB/worker':>9} {'hidden':>6} "
-                  f"{'CPU':>5}")
+                  f"{'img/s':>8} {'speedup':>7} {'pred.':>6} {'MB/worker':>9} {'MB/host':>8} "
+                  f"{'hidden':>6} {'CPU':>5}")
         click.echo(header)
 
         def say(m: bench.Measurement) -> None:
             note = "  CPU-bound: not a cluster measurement" if m.cpu_bound else ""
             cpu = "-" if math.isnan(m.cpu_utilisation) else f"{m.cpu_utilisation:.0%}"
+            wire = "-" if m.wire_bytes_per_host is None else f"{m.wire_bytes_per_host / 1e6:.2f}"
             click.echo(f"{m.workers:>3} {m.scheme:>7} {m.iteration_s * 1e3:>9.1f} "
                        f"{m.predicted_s * 1e3:>9.1f} {m.error:>+7.1%} {m.images_per_s:>8.1f} "
                        f"{m.speedup:>7.2f} {m.predicted_speedup:>6.2f} "
-                       f"{m.bytes_per_node / 1e6:>9.2f} {m.hidden_fraction:>6.0%} {cpu:>5}{note}")
+                       f"{m.bytes_per_node / 1e6:>9.2f} {wire:>8} {m.hidden_fraction:>6.0%} "
+                       f"{cpu:>5}{note}")
             sys.stdout.flush()
 
         try:

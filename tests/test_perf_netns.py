@@ -54,6 +54,7 @@ def gone(pids: list[int]) -> bool:
 
 def test_links_are_shaped_and_everything_is_removed():
     with EmulatedCluster(2, 40e6) as c:
+        before = [c.link_bytes(h) for h in range(2)]
         sink = c.run(1, ["python3", "-c", SINK], stdout=subprocess.PIPE, text=True)
         n = 4_000_000  # 32 Mbit: 0.8 s at 40 Mbit/s
         done = subprocess.run(["ip", "netns", "exec", c.namespaces[0], "python3", "-c",
@@ -63,6 +64,12 @@ def test_links_are_shaped_and_everything_is_removed():
         got = int(sink.communicate(timeout=30)[0])
         seconds = float(done.stdout)
         assert got == n
+        # each host's link counts the payload, in the direction it went, plus TCP/IP's
+        # headers (~5%) and little else; the acknowledgements go the other way
+        (in0, out0), (in1, out1) = [(a - x, b - y) for (a, b), (x, y) in
+                                    zip([c.link_bytes(h) for h in range(2)], before)]
+        assert n <= out0 <= 1.1 * n and n <= in1 <= 1.1 * n, (out0, in1)
+        assert in0 < 0.1 * n and out1 < 0.1 * n, (in0, out1)
         rate = n * 8 / seconds
         assert 0.75 * 40e6 <= rate <= 1.05 * 40e6, rate  # TCP/IP headers take ~5%
         assert c.measure_latency(50) < 0.01  # nothing is added: veth + a bridge

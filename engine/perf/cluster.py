@@ -2,8 +2,9 @@
 
 For each worker count P and scheme, P network namespaces with shaped links
 (engine/perf/netns.py) each run one real worker (and its PS shard); rank 0's log gives the
-steady-state iteration time, /proc/stat the machine's CPU use over the same window, rank 0's
-``--stats`` the bytes per node and the overlap. Next to each measurement stands the DAG model's
+steady-state iteration time, /proc/stat the machine's CPU use over the same window, each
+host's veth the bytes that crossed its link in that window, rank 0's ``--stats`` the bytes per
+node as the transport counts them and the overlap. Next to each measurement stands the DAG model's
 prediction for the same configuration (engine/perf/dag.py).
 
 With replayed compute (``--compute replay``) every layer waits its traced time x S and each
@@ -30,7 +31,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -67,6 +68,9 @@ class Measurement:
     speedup: float = 1.0
     predicted_speedup: float = 1.0
     efficiency: float = 1.0
+    #: bytes crossing each emulated host's link per iteration (its veth's counters, both
+    #: directions, headers included), the mean over hosts
+    wire_bytes_per_host: float | None = None
 
     @property
     def error(self) -> float:
@@ -101,15 +105,17 @@ def _best(fn: Any, repeat: int = 5) -> float:
     return min(times)
 
 
-class CpuSampler:
-    """Samples /proc/stat every ``period`` s: (wall time, busy jiffies, total jiffies)."""
+class Sampler:
+    """Samples counters every ``period`` s in a thread: (wall time, counters)."""
 
-    def __init__(self, period: float = 0.1) -> None:
-        self.samples: list[tuple[float, int, int]] = []
+    def __init__(self, read: Callable[[], list[int]], period: float = 0.1) -> None:
+        self.samples: list[tuple[float, list[int]]] = []
+        self._read = read
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(period,), daemon=True)
 
-    def __enter__(self) -> "CpuSampler":
+    def __enter__(self) -> "Sampler":
+        self._sample()
         self._thread.start()
         return self
 
@@ -119,24 +125,54 @@ class CpuSampler:
         self._sample()
 
     def _sample(self) -> None:
-        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        idle = f[3] + (f[4] if len(f) > 4 else 0)
-        self.samples.append((time.time(), sum(f) - idle, sum(f)))
+        try:
+            self.samples.append((time.time(), self._read()))
+        except OSError:  # a link already deleted at the end: the samples so far stand
+            pass
 
     def _run(self, period: float) -> None:
-        while not self._stop.is_set():
+        while not self._stop.wait(period):
             self._sample()
-            self._stop.wait(period)
 
-    def utilisation(self, start: float, end: float) -> float:
-        """Busy share of all CPUs from the last sample at or before ``start`` to the first at
-        or after ``end``: a window shorter than the period is still bracketed by two samples."""
-        before = [s for s in self.samples if s[0] <= start] or self.samples[:1]
-        after = [s for s in self.samples if s[0] >= end] or self.samples[-1:]
-        if not before or not after:
-            return float("nan")
-        (_, b0, t0), (_, b1, t1) = before[-1], after[0]
-        return (b1 - b0) / (t1 - t0) if t1 > t0 else float("nan")
+    def at(self, t: float) -> list[float] | None:
+        """The counters at time ``t``, interpolated between the samples around it (clamped
+        to the first and last sample)."""
+        if not self.samples:
+            return None
+        later = next((i for i, (ts, _) in enumerate(self.samples) if ts >= t), None)
+        if later is None:
+            return [float(c) for c in self.samples[-1][1]]
+        if later == 0:
+            return [float(c) for c in self.samples[0][1]]
+        (t0, c0), (t1, c1) = self.samples[later - 1], self.samples[later]
+        w = (t - t0) / (t1 - t0) if t1 > t0 else 1.0
+        return [a + w * (b - a) for a, b in zip(c0, c1)]
+
+    def delta(self, start: float, end: float) -> list[float] | None:
+        """Counter growth over [start, end]; a window shorter than the period still gets
+        the rate of the samples around it."""
+        a, b = self.at(start), self.at(end)
+        return None if a is None or b is None else [y - x for x, y in zip(a, b)]
+
+
+def cpu_sampler(period: float = 0.1) -> Sampler:
+    """/proc/stat's busy and total jiffies of all CPUs."""
+    def read() -> list[int]:
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = f[3] + (f[4] if len(f) > 4 else 0)
+        return [sum(f) - idle, sum(f)]
+    return Sampler(read, period)
+
+
+def utilisation(cpu: Sampler, start: float, end: float) -> float:
+    """Busy share of all CPUs over [start, end] (bracketed by samples)."""
+    d = cpu.delta(start, end)
+    return d[0] / d[1] if d and d[1] > 0 else float("nan")
+
+
+def link_sampler(cluster: EmulatedCluster, period: float = 0.1) -> Sampler:
+    """Bytes each emulated host's link carried, both directions, as its veth counts them."""
+    return Sampler(lambda: [sum(cluster.link_bytes(h)) for h in range(cluster.n)], period)
 
 
 def iteration_times(log: str) -> dict[int, float]:
@@ -195,7 +231,7 @@ def measure(solver: Path, workers: int, scheme: str, bits_per_s: float, compute:
         out = Path(d)
         copy = bench_solver(solver, out, warmup + iters)
         with EmulatedCluster(workers // slots, bits_per_s / scale) as cluster, \
-                CpuSampler() as cpu:
+                cpu_sampler() as cpu, link_sampler(cluster) as wire:
             link = Link(cluster.measure_latency(50), 8.0 / cluster.measure_goodput(),
                         "emulated link, measured")
             hosts = out / "hosts.txt"
@@ -233,7 +269,10 @@ def measure(solver: Path, workers: int, scheme: str, bits_per_s: float, compute:
             raise BenchError(f"P={workers} {scheme}: rank 0 logged no iterations {first}..{last}")
         period = (times[last] - times[first]) / iters
         stats = json.loads((out / "stats.json").read_text()) if workers > 1 else {}
-        return period, stats, cpu.utilisation(times[first], times[last]), link
+        crossed = wire.delta(times[first], times[last])
+        # per host and measured iteration, headers and heartbeats included
+        stats["wire_bytes_per_host"] = (sum(crossed) / len(crossed) / iters) if crossed else None
+        return period, stats, utilisation(cpu, times[first], times[last]), link
 
 
 def run_bench(solver: Path, workers: list[int], schemes: list[str], bits_per_s: float,
@@ -265,6 +304,7 @@ def run_bench(solver: Path, workers: list[int], schemes: list[str], bits_per_s: 
                             p * info.batch / (period / scale), net_bytes,
                             float(stats.get("hidden_fraction", 0.0)), cpu,
                             bool(cpu > CPU_SATURATED))
+            m.wire_bytes_per_host = stats.get("wire_bytes_per_host")
             if p == 1:
                 base = m
             assert base is not None

@@ -136,6 +136,13 @@ class EmulatedCluster:
         self.procs.append(p)
         return p
 
+    def link_bytes(self, host: int) -> tuple[int, int]:
+        """(bytes into, bytes out of) host ``host`` so far, as its link's bridge end counts
+        them (what crosses the emulated network: headers included, a machine's own traffic
+        between its workers not)."""
+        stats = Path(f"/sys/class/net/{self.tag}v{host}/statistics")
+        return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
+
     def measure_latency(self, rounds: int = 200) -> float:
         """Median one-way time of a 1-byte TCP ping-pong from host 0 to host 1 (seconds):
         the alpha the links really have (nothing is added to it)."""
