@@ -242,11 +242,11 @@ def plan_table(plan: Plan | Sequence[LayerPlan], p1: int) -> str:
     rows = [head, "(bytes sent+received per node per iteration; time: release to applied, "
             "alone on the link)",
             f"{'layer':<16} {'shape':<24} {'scheme':<6} {'bytes/iter':>12} {'time':>9} "
-            f"{'PS':>9} {'SFB':>9} {'ring':>9}"]
+            + " ".join(f"{name:>9}" for name in SCHEMES)]
     total_b = total_t = 0.0
     for p in plans:
         shape = " + ".join("x".join(str(d) for d in s) for s in p.info.shapes)
-        times = [_ms(p.timings[s].total_s) if s in p.timings else "-" for s in ("ps", "sfb", "ring")]
+        times = [_ms(p.timings[s].total_s) if s in p.timings else "-" for s in SCHEMES]
         rows.append(f"{p.info.name:<16} {shape:<24} {p.scheme:<6} {_mb(p.bytes_per_node):>12} "
                     f"{_ms(p.predicted_s):>9} " + " ".join(f"{t:>9}" for t in times))
         total_b += p.bytes_per_node

@@ -82,18 +82,6 @@ def _chunk_bytes_by_layer(params: Sequence[LayerInfo], p: int, chunk_bytes: int
     return out
 
 
-def flat_share(scheme: str, workers: int, slots: int) -> float:
-    """Flat workers, ``slots`` to a machine: how many of a machine's workers' bytes, at once,
-    each worker's bytes on the machine's link stand for (1: a link of its own). Only what
-    goes to other machines crosses it: of a flat node's traffic with its P-1 peers (SFB's
-    factors; PS's pushes to the other shards and its shard's sums to the other workers),
-    P-k peers are remote, for each of the k workers at once; a ring in rank order crosses
-    machines at one hop per machine, which then carries one worker's flow alone."""
-    if slots <= 1 or scheme == "ring":
-        return 1.0
-    return slots * (workers - slots) / (workers - 1)
-
-
 def _layer_costs(info: LayerInfo, scheme: str, p: int, link: Link, device: Device,
                  chunks: list[tuple[int, int]], chunk_bytes: int) -> LayerTiming:
     """Link time and progress-thread time of one layer on the busiest node."""
@@ -146,7 +134,8 @@ def predict(info: NetInfo, trace: Trace, workers: int, scheme: str, link: Link,
         chunks = _chunk_bytes_by_layer([pl.info for pl in plans if pl.scheme == "ps"],
                                        workers, chunk_bytes)
         costs = {pl.info.layer: _layer_costs(
-            pl.info, pl.scheme, workers, shared(link, flat_share(pl.scheme, workers, slots)),
+            pl.info, pl.scheme, workers,
+            shared(link, SCHEME_CLASSES[pl.scheme].machine_share(workers, slots)),
             device, chunks.get(pl.info.layer, []), chunk_bytes) for pl in plans}
     ready = {layer: 0.0 for layer in costs}  # when each layer's update is applied
     starts = []

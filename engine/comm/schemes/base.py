@@ -184,6 +184,17 @@ class Scheme(ABC):
         return True
 
     @classmethod
+    def machine_share(cls, workers: int, slots: int) -> float:
+        """Flat workers, ``slots`` to a machine: how many of a machine's workers' bytes, at
+        once, each worker's bytes on the machine's one link stand for (1: a link of its own).
+        By default a node talks with all its P-1 peers (SFB's factors; PS's pushes to the other
+        shards and its shard's sums to the other workers), of which P-k are on other machines,
+        for each of the machine's k workers at once."""
+        if slots <= 1:
+            return 1.0
+        return slots * (workers - slots) / (workers - 1)
+
+    @classmethod
     @abstractmethod
     def timing(cls, info: Any, world: int, link: Any, device: Device,
                chunk_bytes: int, wire_itemsize: int) -> LayerTiming:

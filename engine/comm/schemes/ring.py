@@ -66,6 +66,12 @@ class Ring(DenseScheme):
         self._early: dict[tuple[int, int, int], list[Message]] = {}
 
     @classmethod
+    def machine_share(cls, workers: int, slots: int) -> float:
+        # a ring in rank order crosses between machines at one hop per machine, and that hop
+        # carries one worker's flow alone
+        return 1.0
+
+    @classmethod
     def timing(cls, info: Any, world: int, link: Any, device: Device, chunk_bytes: int,
                wire_itemsize: int) -> LayerTiming:
         nbytes = info.params * wire_itemsize
