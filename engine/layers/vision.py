@@ -161,7 +161,7 @@ class _BaseConvolution(Layer):
         self.num = bottom[0].count_range(0, ax)
         for t in top:
             t.reshape((*shape[:ax], self.num_output, out_h, out_w))
-        self.winograd = None
+        self.winograd = None  # a Deconvolution (transposed) always keeps im2col
         if (not self.transposed and backend.get_array_module(bottom[0].data) is np
                 and self.param.convolution_param.engine != caffe_pb2.ConvolutionParameter.CAFFE
                 and winograd.suits(self.geometry, self.channels // self.group, self.num)):
@@ -293,10 +293,6 @@ class DeconvolutionLayer(_BaseConvolution):
         for b, t in zip(bottom, top):
             x = self._images(b.data, self.channels)
             y = self._images(t.data, self.num_output)
-            if self.winograd:
-                self.winograd.forward(x, self.blobs[0].data, y)
-                self._add_bias(y)
-                continue
             for s in self._chunks(xp, x.dtype.itemsize):
                 col = xp.matmul(wg.transpose(0, 2, 1), K.grid_operand(x[s], g, self.group))
                 K.col2im(col.reshape(g.col_rows, -1), g, s.stop - s.start, out=y[s])
@@ -315,10 +311,6 @@ class DeconvolutionLayer(_BaseConvolution):
                 continue
             x = self._images(b.data, self.channels)
             dx = self._images(b.diff, self.channels) if down else None
-            if self.winograd:
-                self.winograd.backward(dy, x, self.blobs[0].data,
-                                       self.blobs[0].diff if want_w else None, dx)
-                continue
             dw = self.blobs[0].diff.reshape(wg.shape)
             for s in self._chunks(xp, x.dtype.itemsize):
                 col = K.im2col(dy[s], g).reshape(self.group, g.col_rows // self.group, -1)
