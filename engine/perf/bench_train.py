@@ -83,7 +83,7 @@ snapshot_after_train: false
 """
 
 _DDP_CHILD = r"""
-import json, sys, time
+import json, os, sys, time
 import numpy as np
 import torch, torch.distributed as dist
 from torch import nn
@@ -126,7 +126,6 @@ if rank == 0:
 # barrier and destroy_process_group (1 run in 20 here), failing a run that had finished
 dist.barrier()
 sys.stdout.flush()
-import os
 os._exit(0)
 """
 

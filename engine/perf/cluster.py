@@ -165,7 +165,7 @@ def cpu_sampler(period: float = 0.1) -> Sampler:
 
 
 def utilisation(cpu: Sampler, start: float, end: float) -> float:
-    """Busy share of all CPUs over [start, end] (bracketed by samples)."""
+    """Busy share of all CPUs over [start, end]."""
     d = cpu.delta(start, end)
     return d[0] / d[1] if d and d[1] > 0 else float("nan")
 
@@ -218,10 +218,12 @@ def bench_solver(solver: Path, out: Path, iters: int) -> Path:
 
 def measure(solver: Path, workers: int, scheme: str, bits_per_s: float, compute: str,
             trace_path: Path | None, time_scale: float, iters: int, warmup: int,
-            timeout: float = 600.0, slots: int = 1) -> tuple[float, dict[str, Any], float, Link]:
+            timeout: float = 600.0, slots: int = 1
+            ) -> tuple[float, dict[str, Any], float, Link, float | None]:
     """One run: (period in scaled seconds, rank 0's stats, CPU utilisation, the link as
-    measured: its latency and the goodput of one TCP stream). ``slots`` workers share each
-    emulated host (its namespace, its one shaped link)."""
+    measured: its latency and the goodput of one TCP stream, the bytes per iteration that
+    crossed an emulated host's link: headers and heartbeats included, the mean over hosts).
+    ``slots`` workers share each emulated host (its namespace, its one shaped link)."""
     slots = slots if workers > 1 else 1
     scale = time_scale if compute == "replay" else 1.0
     # the ranks are started by hand, each in its namespace: hand them this run's key as a
@@ -270,9 +272,8 @@ def measure(solver: Path, workers: int, scheme: str, bits_per_s: float, compute:
         period = (times[last] - times[first]) / iters
         stats = json.loads((out / "stats.json").read_text()) if workers > 1 else {}
         crossed = wire.delta(times[first], times[last])
-        # per host and measured iteration, headers and heartbeats included
-        stats["wire_bytes_per_host"] = (sum(crossed) / len(crossed) / iters) if crossed else None
-        return period, stats, utilisation(cpu, times[first], times[last]), link
+        per_host = sum(crossed) / len(crossed) / iters if crossed else None
+        return period, stats, utilisation(cpu, times[first], times[last]), link, per_host
 
 
 def run_bench(solver: Path, workers: list[int], schemes: list[str], bits_per_s: float,
@@ -290,9 +291,9 @@ def run_bench(solver: Path, workers: list[int], schemes: list[str], bits_per_s: 
     base: Measurement | None = None
     for p in sorted(set(workers) | {1}):
         for scheme in (["-"] if p == 1 else schemes):
-            period, stats, cpu, link = measure(solver, p, scheme if p > 1 else "ps", bits_per_s,
-                                               compute, trace_path, time_scale, iters, warmup,
-                                               slots=slots)
+            period, stats, cpu, link, per_host = measure(
+                solver, p, scheme if p > 1 else "ps", bits_per_s, compute, trace_path,
+                time_scale, iters, warmup, slots=slots)
             device = cpu_device(2 * p if p > 1 else 1)
             comm, extra = split_variant(scheme) if p > 1 else ("ps", [])
             pred = predict(info, trace.scaled(scale) if scale != 1 else trace, p, comm, link,
@@ -303,8 +304,7 @@ def run_bench(solver: Path, workers: list[int], schemes: list[str], bits_per_s: 
             m = Measurement(p, scheme, compute, period / scale, pred.iteration_s / scale,
                             p * info.batch / (period / scale), net_bytes,
                             float(stats.get("hidden_fraction", 0.0)), cpu,
-                            bool(cpu > CPU_SATURATED))
-            m.wire_bytes_per_host = stats.get("wire_bytes_per_host")
+                            bool(cpu > CPU_SATURATED), wire_bytes_per_host=per_host)
             if p == 1:
                 base = m
             assert base is not None
