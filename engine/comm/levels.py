@@ -212,6 +212,9 @@ class Levels(DenseScheme):
     def largest_frame(self) -> int:
         return max(self.chunk_bytes + 8, self.inner.largest_frame())
 
+    def close(self) -> None:
+        self.inner.close()
+
 
 def shared(link: Any, ways: int) -> Any:
     """``link`` as each of ``ways`` flows through it at once sees it."""

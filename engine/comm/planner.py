@@ -4,9 +4,12 @@ Each scheme prices a layer with its own ``timing`` (engine/comm/schemes) on the 
 (alpha, beta: probed at start-up or given with ``--link``) and device (update, GEMM and add
 speeds), the same functions the DAG model of ``poseidon simulate`` uses. ``--comm`` picks:
 
-    auto    per layer the fastest of PS, SFB and ring (the default)
+    auto    per layer the fastest of the schemes that can run (the default)
     hybrid  Poseidon's SACP: SFB where it moves fewer bytes than PS, else PS
-    ps | sfb | ring   that scheme wherever the layer allows it (else PS)
+    ps | sfb | ring | shm   that scheme wherever the layer allows it (else PS)
+
+shm (shared memory) runs only when every worker is on one machine; it is then offered beside
+the others, priced by the memory it copies and its two signals.
 
 SACP's byte counts (floats sent + received per node per iteration; DESIGN.md), for an FC layer
 with an M x N weight, batch K, P1 workers and P2 server shards:
@@ -22,6 +25,7 @@ travels as a poseidon.Plan), so all follow one plan even where their measurement
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -127,16 +131,25 @@ def split_comm(text: str) -> tuple[str, dict[str, str]]:
 def plan_layers(layers: Sequence[LayerInfo], p1: int, comm: str = "auto",
                 allow_sfb: bool = True, link: Link | None = None, device: Device | None = None,
                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, wire_itemsize: int = 4,
-                slots: int = 1, local_link: Link | None = None) -> list[LayerPlan]:
+                slots: int = 1, local_link: Link | None = None,
+                machines: int | None = None) -> list[LayerPlan]:
     """One plan per layer. ``comm`` (MODE[,LAYER=SCHEME...]) forces a scheme where the layer
     allows it. ``slots`` workers per machine: dense schemes are priced in two levels, the
-    machine's own ``local_link`` around the network's ``link``."""
+    machine's own ``local_link`` around the network's ``link``. ``machines``: how many
+    machines the workers are on (default: p1 / slots); one-machine schemes need 1."""
     from .levels import timing as level_timing
 
     comm, overrides = split_comm(comm)
     unknown = set(overrides) - {info.name for info in layers}
     if unknown:
         raise ValueError(f"--comm: no layer with parameters named {', '.join(sorted(unknown))}")
+    machines = machines if machines is not None else max(1, p1 // max(slots, 1))
+    runnable = {name for name, scheme in SCHEMES.items()
+                if scheme.available() and (not scheme.one_machine or (machines == 1 and p1 > 1))}
+    for name in {comm, *overrides.values()} & (set(SCHEMES) - runnable):
+        raise ValueError(f"--comm {name}: it synchronises the workers of one machine, and these "
+                         f"{p1} workers are on {machines} machines" if SCHEMES[name].available()
+                         else f"--comm {name}: this machine cannot run it")
     link = link or DEFAULT_LINK
     local_link = local_link or DEFAULT_LOCAL_LINK
     device = device or Device()
@@ -144,7 +157,7 @@ def plan_layers(layers: Sequence[LayerInfo], p1: int, comm: str = "auto",
     for info in layers:
         timings = {}
         for name, scheme in SCHEMES.items():
-            if not scheme.applies(info) or (name == "sfb" and not allow_sfb):
+            if name not in runnable or not scheme.applies(info) or (name == "sfb" and not allow_sfb):
                 continue
             itemsize = wire_itemsize if scheme.dense else info.itemsize
             timings[name] = level_timing(scheme, info, p1, slots, link, local_link, device,
@@ -194,12 +207,15 @@ class Plan:
     #: workers per machine (two levels when > 1) and the link inside a machine
     slots: int = 1
     local_link: Link = DEFAULT_LOCAL_LINK
+    #: this job's own: what a scheme creates outside the process is named by it (shm)
+    nonce: bytes = field(default_factory=lambda: os.urandom(16))
 
     def to_pb(self) -> pb.Plan:
         return pb.Plan(units=[pb.UnitPlan(layers=l, scheme=s) for l, s in self.units],
                        alpha_s=self.link.alpha_s, beta_s_per_byte=self.link.beta_s_per_byte,
                        codec=self.codec, sparse_ratio=self.sparse_ratio,
-                       sparse_warmup=self.sparse_warmup, sparse_momentum=self.sparse_momentum)
+                       sparse_warmup=self.sparse_warmup, sparse_momentum=self.sparse_momentum,
+                       nonce=self.nonce)
 
 
 def make_plan(layers: Sequence[LayerInfo], world: int, comm: str = "auto",
@@ -208,7 +224,7 @@ def make_plan(layers: Sequence[LayerInfo], world: int, comm: str = "auto",
               fusion_bytes: int = 0, fusion_s: float = float("inf"),
               backward_s: Sequence[float] | None = None, sparse_ratio: float = 0.0,
               sparse_warmup: int = 0, sparse_momentum: float = 0.0, slots: int = 1,
-              local_link: Link | None = None) -> Plan:
+              local_link: Link | None = None, machines: int | None = None) -> Plan:
     """Rank 0's plan: schemes per layer, then fusion buckets of consecutive dense layers.
 
     ``codec`` "sparse" takes ``sparse_ratio``, ``sparse_warmup`` and ``sparse_momentum``
@@ -219,7 +235,7 @@ def make_plan(layers: Sequence[LayerInfo], world: int, comm: str = "auto",
     link = link or DEFAULT_LINK
     wire = 2 if codec == "fp16" else 4
     plans = plan_layers(layers, world, comm, allow_sfb, link, device, chunk_bytes, wire, slots,
-                        local_link)
+                        local_link, machines)
     units = buckets([(p.info.layer, p.scheme, p.info.params * p.info.itemsize,
                       SCHEMES[p.scheme].dense) for p in plans],
                     fusion_bytes, fusion_s, backward_s)

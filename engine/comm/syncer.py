@@ -352,6 +352,8 @@ class Syncer:
         self._events.put(None)
         for t in self._threads:
             t.join(timeout=5)
+        for scheme in self._schemes.values():
+            scheme.close()
         self.stats.extra.update(self.codec.report())
         self.ep.close(say_bye=self.ep.error is None)
 

@@ -147,6 +147,10 @@ class Loopback:
     def port(self, i: int) -> int:
         return self.base + 2 * i
 
+    def hosts_text(self) -> str:
+        """One machine running every worker (worker i at base + 2i, as a hosts line's slots)."""
+        return f"127.0.0.1:{self.base} slots={len(self.addresses)}\n"
+
     def start(self, rank: int, argv: list[str], **popen: Any) -> subprocess.Popen:
         return subprocess.Popen(argv, start_new_session=True, **popen)
 
@@ -169,6 +173,10 @@ class Emulated:
 
     def port(self, i: int) -> int:
         return 29500
+
+    def hosts_text(self) -> str:
+        """A machine per worker, each at its namespace's address."""
+        return "".join(f"{a}:{self.port(i)}\n" for i, a in enumerate(self.addresses))
 
     def start(self, rank: int, argv: list[str], **popen: Any) -> subprocess.Popen:
         # gloo listens on the interface it is told (by default the host name's address,
@@ -221,8 +229,7 @@ def run_poseidon(work: Path, db: Path, workers: int, variant: str, iters: int,
     place = Emulated(workers, bits_per_s) if bits_per_s and workers > 1 else Loopback(workers)
     with place:
         if workers > 1:
-            (d / "hosts").write_text("".join(f"{a}:{place.port(i)}\n"
-                                             for i, a in enumerate(place.addresses)))
+            (d / "hosts").write_text(place.hosts_text())
             cmd += ["--hosts", str(d / "hosts"), "--comm", comm, *extra]
         procs = [place.start(r, cmd + (["--rank", str(r)] if workers > 1 else [])
                              + (["--stats", str(stats)] if workers > 1 and r == 0 else []),

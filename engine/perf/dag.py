@@ -44,8 +44,10 @@ from .link import Link
 from .netinfo import NetInfo
 from .trace import Trace
 
-#: what --scheme takes: the planner's modes (auto, hybrid) and every single scheme
-SCHEMES = COMM_MODES
+#: what --scheme takes: the planner's modes (auto, hybrid) and every scheme that runs between
+#: machines (the model's nodes are machines; shm runs inside one)
+SCHEMES = tuple(m for m in COMM_MODES
+                if m not in SCHEME_CLASSES or not SCHEME_CLASSES[m].one_machine)
 ITERATIONS = 6  # simulated; the last period is the steady state
 
 __all__ = ["Device", "LayerTiming", "Prediction", "predict", "sweep", "SCHEMES"]

@@ -196,7 +196,7 @@ def plan_for(net: Any, infos: list[Any], entries: list[Any], config: JobConfig, 
     return make_plan(infos, len(entries), config.comm, allow_sfb, link, device,
                      config.chunk_bytes, config.codec, int(config.fusion_mb * (1 << 20)),
                      config.fusion_ms / 1e3, backward_s, config.sparse, config.sparse_warmup,
-                     momentum, slots=slots, local_link=local_link)
+                     momentum, slots=slots, local_link=local_link, machines=len(topo.machines))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,6 +30,9 @@ class Codec:
 
     name = "fp32"
     wire_dtype = np.dtype("<f4")
+    #: ``reduce`` sums the unit's vector itself, once, in phase VALUES: a scheme may gather the
+    #: gradients straight into where it sums from
+    sums_as_given = True
     #: the momentum this codec applies to the gradients before it sums them (sparse's momentum
     #: correction); 0: none, the solver applies its own
     momentum = 0.0

@@ -70,6 +70,7 @@ class _State:
 
 class SparseCodec(Codec):
     name = "sparse"
+    sums_as_given = False
     #: values per chunk (see the module docstring)
     CHUNK = 256
 

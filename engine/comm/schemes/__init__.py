@@ -9,7 +9,8 @@ from .base import Scheme
 from .ps import PS
 from .ring import Ring
 from .sfb import SFB
+from .shm import Shm
 
-SCHEMES: dict[str, type[Scheme]] = {s.name: s for s in (PS, SFB, Ring)}
+SCHEMES: dict[str, type[Scheme]] = {s.name: s for s in (PS, SFB, Ring, Shm)}
 
 __all__ = ["SCHEMES", "Scheme"]

@@ -96,6 +96,7 @@ class Host(Protocol):
     world: int
     codec: "Codec"
     topology: "Topology"
+    plan: pb.Plan  # rank 0's plan, every worker's alike (its nonce names what schemes create)
 
     def send(self, unit: Unit, peers: Sequence["PeerId"], hdr: pb.Header,
              arrays: Sequence[np.ndarray] = ()) -> None:
@@ -154,6 +155,8 @@ class Scheme(ABC):
     name: ClassVar[str]
     #: sums dense vectors: fusion buckets and wire codecs apply to it
     dense: ClassVar[bool] = True
+    #: only for the workers of one machine (shared memory); never planned across machines
+    one_machine: ClassVar[bool] = False
 
     def __init__(self, host: Host, units: Sequence[Unit], chunk_bytes: int,
                  groups: Sequence[tuple[int, ...]] | None = None, mine: int = 0) -> None:
@@ -181,6 +184,11 @@ class Scheme(ABC):
     @classmethod
     def applies(cls, layer: LayerSlot | Any) -> bool:
         """Whether this scheme can synchronise ``layer`` (a LayerSlot or a planner LayerInfo)."""
+        return True
+
+    @classmethod
+    def available(cls) -> bool:
+        """Whether this machine can run the scheme at all (what it needs is there)."""
         return True
 
     @classmethod
@@ -223,6 +231,10 @@ class Scheme(ABC):
     def largest_frame(self) -> int:
         """The largest array frame this scheme sends or receives, in bytes (ZMQ_MAXMSGSIZE)."""
         return 0
+
+    def close(self) -> None:
+        """Release what the scheme holds outside the process (the syncer's shutdown, on every
+        path)."""
 
     def header(self, unit: Unit, rnd: int, op: int, bits: int, **fields: Any) -> pb.Header:
         return pb.Header(kind=pb.DATA, scheme=self.name, layer=unit.id, round=rnd, op=op,
