@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .backend import get_array_module
+from .layers import compiled
 from .pb import caffe_pb2
 
 
@@ -154,6 +155,8 @@ class SGD(UpdateRule):
 
     def compute(self, diff: Any, history: Sequence[Any], local_rate: float, it: int) -> None:
         h = history[0]
+        if compiled.momentum_step(h, diff, self.momentum, f32(local_rate)):
+            return
         h *= self.momentum
         h += f32(local_rate) * diff
         diff[...] = h

@@ -13,9 +13,10 @@ from .simulate_cmd import parse_workers
 
 @click.command("train")
 @click.option("--workers", default="1,2,4", show_default=True, help="Local worker counts.")
-@click.option("--scheme", "schemes", default="ps,sfb,ring,hybrid,auto", show_default=True,
+@click.option("--scheme", "schemes", default=None,
               help="Schemes to run; a variant adds train options after a colon: "
-              "'ring:--fusion-mb=4', 'auto:--no-priority'.")
+              "'ring:--fusion-mb=4', 'auto:--no-priority'. [default: ps,sfb,ring,shm,hybrid,auto; "
+              "without shm with --bandwidth, where every worker is a machine of its own]")
 @click.option("--net", "nets", default="fc,conv", show_default=True,
               help="fc: FC-heavy (1.3 M parameters); conv: conv-heavy (66 K parameters).")
 @click.option("--iters", type=int, default=60, show_default=True)
@@ -26,7 +27,7 @@ from .simulate_cmd import parse_workers
               "with its link shaped to BW each way (10gbit, 1gbit; needs root), instead of "
               "loopback.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-def train(workers: str, schemes: str, nets: str, iters: int, repeats: int,
+def train(workers: str, schemes: str | None, nets: str, iters: int, repeats: int,
           bandwidth: str | None, json_path: str | None) -> None:
     """Poseidon's workers against DDP on the same net and the same records."""
     from engine.perf.bench_comm import cpu_name_and_blas
@@ -47,6 +48,8 @@ def train(workers: str, schemes: str, nets: str, iters: int, repeats: int,
             except ClusterError as e:
                 fail(str(e))
             cleanup_stale()
+    if schemes is None:
+        schemes = "ps,sfb,ring,hybrid,auto" if bits else "ps,sfb,ring,shm,hybrid,auto"
     names = tuple(n.strip() for n in nets.split(",") if n.strip())
     for n in names:
         if n not in NETS:

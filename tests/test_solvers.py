@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from engine.pb import caffe_pb2
+from engine.layers import compiled
 from engine.solvers import (RULES, SolverError, check_lr_policy, clip_scale, learning_rate,
                             make_rule, normalize, regularize, solver_type)
 
@@ -199,3 +200,18 @@ def test_v1_solver_type_and_checks():
         make_rule(sp(type="AdaGrad", momentum=0.9))
     with pytest.raises(SolverError, match="rms_decay"):
         make_rule(sp(type="RMSProp", rms_decay=1.5))
+
+
+@pytest.mark.skipif(not compiled.available(), reason="needs Numba (pip install 'poseidon[fast]')")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_compiled_momentum_step_equals_numpys_to_the_bit(dtype):
+    rng = np.random.default_rng(3)
+    h = rng.standard_normal(10007).astype(dtype)
+    d = rng.standard_normal(10007).astype(dtype)
+    want_h, want_d = h.copy(), d.copy()
+    want_h *= np.float32(0.9)
+    want_h += np.float32(0.013) * want_d
+    want_d[...] = want_h
+    assert compiled.momentum_step(h, d, np.float32(0.9), np.float32(0.013))
+    assert np.array_equal(h, want_h) and np.array_equal(d, want_d)
+    assert not compiled.momentum_step(h[::2], d[::2], np.float32(0.9), np.float32(0.013))

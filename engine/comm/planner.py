@@ -132,11 +132,12 @@ def plan_layers(layers: Sequence[LayerInfo], p1: int, comm: str = "auto",
                 allow_sfb: bool = True, link: Link | None = None, device: Device | None = None,
                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, wire_itemsize: int = 4,
                 slots: int = 1, local_link: Link | None = None,
-                machines: int | None = None) -> list[LayerPlan]:
+                machines: int | None = None, fusion: bool = False) -> list[LayerPlan]:
     """One plan per layer. ``comm`` (MODE[,LAYER=SCHEME...]) forces a scheme where the layer
     allows it. ``slots`` workers per machine: dense schemes are priced in two levels, the
     machine's own ``local_link`` around the network's ``link``. ``machines``: how many
-    machines the workers are on (default: p1 / slots); one-machine schemes need 1."""
+    machines the workers are on (default: p1 / slots); one-machine schemes need 1.
+    ``fusion``: auto prices fusion in (``_join_buckets``)."""
     from .levels import timing as level_timing
 
     comm, overrides = split_comm(comm)
@@ -154,6 +155,10 @@ def plan_layers(layers: Sequence[LayerInfo], p1: int, comm: str = "auto",
     local_link = local_link or DEFAULT_LOCAL_LINK
     device = device or Device()
     plans = []
+    #: (layer, dense scheme) -> its time inside a bucket: without the per-message latency,
+    #: which the bucket pays once
+    marginal: dict[tuple[int, str], float] = {}
+    no_latency = [Link(0.0, k.beta_s_per_byte, k.source) for k in (link, local_link)]
     for info in layers:
         timings = {}
         for name, scheme in SCHEMES.items():
@@ -162,6 +167,9 @@ def plan_layers(layers: Sequence[LayerInfo], p1: int, comm: str = "auto",
             itemsize = wire_itemsize if scheme.dense else info.itemsize
             timings[name] = level_timing(scheme, info, p1, slots, link, local_link, device,
                                          chunk_bytes, itemsize)
+            if scheme.dense:
+                marginal[(info.layer, name)] = level_timing(
+                    scheme, info, p1, slots, *no_latency, device, chunk_bytes, itemsize).total_s
         if info.name in overrides:
             scheme = overrides[info.name]
             if scheme not in timings:
@@ -186,7 +194,26 @@ def plan_layers(layers: Sequence[LayerInfo], p1: int, comm: str = "auto",
             reason = ("SFB not allowed (iter_size > 1)" if info.factors is not None
                       else "no sufficient factors")
         plans.append(LayerPlan(info, scheme, timings, p1, reason))
+    if comm == "auto" and fusion:
+        _join_buckets(plans, marginal, set(overrides))
     return plans
+
+
+def _join_buckets(plans: Sequence[LayerPlan], marginal: dict[tuple[int, str], float],
+                  fixed: set[str]) -> None:
+    """Fusion included: a layer beside a layer of a dense scheme can ride in its bucket for
+    that scheme's time without latency; where that is below the layer's own best time, it
+    joins (a small layer next to a large one: one message instead of two). Swept in release
+    order, then back, so that the first layer released can join the bucket after it."""
+    order = sorted(plans, key=lambda p: -p.info.layer)
+    for sweep in (order, order[::-1]):
+        for prev, p in zip(sweep, sweep[1:]):
+            d = prev.scheme
+            joined = marginal.get((p.info.layer, d))
+            if p.info.name in fixed or d == p.scheme or joined is None:
+                continue
+            if joined < p.timings[p.scheme].total_s:
+                p.scheme, p.reason = d, f"fastest in {prev.info.name}'s bucket"
 
 
 def _mnk(info: LayerInfo) -> tuple[int, int, int]:
@@ -235,9 +262,10 @@ def make_plan(layers: Sequence[LayerInfo], world: int, comm: str = "auto",
     link = link or DEFAULT_LINK
     wire = 2 if codec == "fp16" else 4
     plans = plan_layers(layers, world, comm, allow_sfb, link, device, chunk_bytes, wire, slots,
-                        local_link, machines)
-    units = buckets([(p.info.layer, p.scheme, p.info.params * p.info.itemsize,
-                      SCHEMES[p.scheme].dense) for p in plans],
+                        local_link, machines, fusion=fusion_bytes > 0)
+    units = buckets([(p.info.layer, p.scheme, p.info.params * p.info.itemsize
+                      if SCHEMES[p.scheme].fusion_capped else 0, SCHEMES[p.scheme].dense)
+                     for p in plans],
                     fusion_bytes, fusion_s, backward_s)
     return Plan(plans, units, link, codec, sparse_ratio, sparse_warmup, sparse_momentum, slots,
                 local_link or DEFAULT_LOCAL_LINK)

@@ -1,8 +1,11 @@
-"""Compiled CPU forms of im2col, col2im, MAX pooling's backward and LRN, when Numba is there.
+"""Compiled CPU forms of im2col, col2im, MAX pooling's backward, LRN and SGD's momentum step,
+when Numba is there.
 
 NumPy pays per inner loop, and the window kernels' inner loops are a window row (LeNet's
 conv2: 8 elements), so its forms in ``im2col`` run at a few GB/s; Caffe's plain C loops run
 several times faster, and they decide whether Poseidon keeps up with Caffe on the small nets.
+SGD's momentum step is four NumPy passes and a temporary over a layer's history and gradient;
+here it is one (an fc layer's step: 0.38 ms against 0.74).
 LRN in NumPy is some twenty passes over blobs that do not fit in cache (AlexNet's norm1:
 37 MB); here it is one pass per image. These are Caffe's loops, compiled by Numba, in the
 NumPy forms' operation order (equal to the bit: the tests check it); the NumPy forms stay
@@ -267,3 +270,24 @@ def max_pool_backward(dy: np.ndarray, arg: np.ndarray, g: Any, out: np.ndarray) 
     _max_pool_backward(_flat(dy), _flat(arg), _out(out), out.shape[0] * g.channels, g.height,
                        g.width, g.kernel_h, g.kernel_w, g.stride_h, g.stride_w, g.pad_h,
                        g.pad_w, g.out_h, g.out_w)
+
+
+@_jit
+def _momentum_step(h, d, momentum, rate):  # pragma: no cover - compiled
+    for i in range(np.uint64(h.size)):
+        v = momentum * h[i] + rate * d[i]
+        h[i] = v
+        d[i] = v
+
+
+def momentum_step(history: Any, diff: Any, momentum: np.floating, rate: np.floating) -> bool:
+    """SGD's ``history = momentum * history + rate * diff; diff = history`` in one pass, in
+    NumPy's order of operations (momentum and rate in the arrays' dtype, so equal to the bit);
+    False, doing nothing, when the arrays are not contiguous NumPy arrays of one dtype."""
+    if not (available() and isinstance(history, np.ndarray) and isinstance(diff, np.ndarray)
+            and history.dtype == diff.dtype and history.shape == diff.shape
+            and history.flags.c_contiguous and diff.flags.c_contiguous):
+        return False
+    kind = history.dtype.type
+    _momentum_step(history.reshape(-1), diff.reshape(-1), kind(momentum), kind(rate))
+    return True

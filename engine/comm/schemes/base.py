@@ -157,6 +157,9 @@ class Scheme(ABC):
     dense: ClassVar[bool] = True
     #: only for the workers of one machine (shared memory); never planned across machines
     one_machine: ClassVar[bool] = False
+    #: a fusion bucket of it is capped by --fusion-mb (bytes on a wire pipeline better in
+    #: pieces); False: by --fusion-ms only (a bucket costs its messages, whatever its size)
+    fusion_capped: ClassVar[bool] = True
 
     def __init__(self, host: Host, units: Sequence[Unit], chunk_bytes: int,
                  groups: Sequence[tuple[int, ...]] | None = None, mine: int = 0) -> None:
@@ -260,11 +263,10 @@ class DenseScheme(Scheme):
         world = self.host.world  # the mean over every worker, whatever the levels
 
         def finish(total: np.ndarray, bits: int) -> None:
-            # the mean (P workers with batch B compute one worker's P·B), into ``vec``: a
-            # scheme's sends of ``vec`` are all received once the sum is complete, while
-            # ``total`` may still be on its way to a peer (zero-copy)
-            np.divide(total, world, out=vec)
-            scatter(unit, vec)
+            # the mean (P workers with batch B compute one worker's P·B) into the diffs (a
+            # scheme's sends of ``vec``, maybe a diff, are all received once the sum is
+            # complete, while ``total`` may still be on its way to a peer: zero-copy)
+            scatter_mean(unit, total, world, vec)
             self.host.done(unit, rnd, bits)
 
         self.host.codec.reduce(unit, rnd, vec, bits, self.sum_vector, finish)
@@ -316,18 +318,22 @@ def gather(unit: Unit, out: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
-def scatter(unit: Unit, vec: np.ndarray) -> None:
-    """Write ``vec`` (the unit's flat mean gradient) into its parameters' diffs."""
+def scatter_mean(unit: Unit, total: np.ndarray, world: int, vec: np.ndarray) -> None:
+    """``total / world`` into the unit's diffs: straight into a contiguous NumPy diff (one pass),
+    else through ``vec`` (the unit's gathered vector, free once the sum is complete)."""
     offset = 0
     for p in unit.params:
         diff = p.blob.diff
         n = int(diff.size)
-        part = vec[offset:offset + n]
+        part = total[offset:offset + n]
+        if isinstance(diff, np.ndarray) and diff.flags.c_contiguous:
+            np.divide(part, world, out=diff.reshape(-1))
+        else:
+            staged = vec[offset:offset + n]
+            np.divide(part, world, out=staged)
+            diff[...] = backend.get_array_module(diff).asarray(staged.reshape(diff.shape),
+                                                               dtype=diff.dtype)
         offset += n
-        if isinstance(diff, np.ndarray) and np.shares_memory(diff, part):
-            continue  # the vector is this diff (see gather)
-        xp = backend.get_array_module(diff)
-        diff[...] = xp.asarray(part.reshape(diff.shape), dtype=diff.dtype)
 
 
 def split(count: int, parts: int) -> list[tuple[int, int]]:

@@ -75,6 +75,7 @@ class _Op:
 class Shm(DenseScheme):
     name = "shm"
     one_machine = True
+    fusion_capped = False
 
     def __init__(self, host: Any, units: Sequence[Unit], chunk_bytes: int,
                  groups: Sequence[tuple[int, ...]] | None = None, mine: int = 0) -> None:
