@@ -111,8 +111,9 @@ def train(tmp_path: Path, db: Path, kind: str | None) -> tuple[dict, dict, str]:
                                     daemon=True)
         attacker.start()
     try:
-        done = poseidon("train", "--solver", str(solver), "--hosts", str(hosts), "--stats",
-                        str(stats), "--timeout", "20", timeout=150)
+        # hybrid: the plan layout_of forges pushes for, whatever the link probe says
+        done = poseidon("train", "--solver", str(solver), "--hosts", str(hosts), "--comm",
+                        "hybrid", "--stats", str(stats), "--timeout", "20", timeout=150)
     finally:
         stop.set()
         if attacker is not None:

@@ -142,10 +142,13 @@ def write_run(d: Path, db: Path, batch: int, name: str, iters: int = ITERS, disp
     return solver
 
 
-def write_hosts(d: Path, n: int) -> tuple[Path, int]:
+def write_hosts(d: Path, n: int, one_machine: bool = False) -> tuple[Path, int]:
+    """n local workers: n machines on one address (Poseidon's format), or one machine with
+    n slots."""
     base = free_base_port(n)
     path = d / f"hosts{n}"
-    path.write_text("".join(f"{i} 127.0.0.1 {base + 2 * i}\n" for i in range(n)))
+    path.write_text(f"127.0.0.1:{base} slots={n}\n" if one_machine else
+                    "".join(f"{i} 127.0.0.1 {base + 2 * i}\n" for i in range(n)))
     return path, base
 
 
@@ -195,7 +198,7 @@ def check_plan_and_counters(s: dict, world: int, comm: str, k: int) -> None:
 
     InnerProduct layers are those with a 2-D (N x M) weight; ``k`` is the batch per worker
     (both nets feed the InnerProducts one row per image). Counters are per unit (a layer, or a
-    fusion bucket of consecutive PS or ring layers, named 'ip2+ip1'). Without a shard's own
+    fusion bucket of consecutive PS, ring or shm layers, named 'ip2+ip1'). Without a shard's own
     counters only the worker side of PS is checked here; test_comm_sync checks the node formula.
     """
     counters = {row["name"]: row for row in s["layers"]}
@@ -213,7 +216,7 @@ def check_plan_and_counters(s: dict, world: int, comm: str, k: int) -> None:
             want = comm if comm != "hybrid" else ("sfb" if sfb < ps else "ps")
         else:
             assert p["sfb_bytes"] is None, p
-            want = "ring" if comm == "ring" else "ps"
+            want = comm if comm in ("ring", "shm") else "ps"
         assert p["scheme"] == want, (p, comm)
     for u in s["units"]:
         layers = [plan[l] for l in u["layers"]]
@@ -222,6 +225,8 @@ def check_plan_and_counters(s: dict, world: int, comm: str, k: int) -> None:
         params = sum(math.prod(shape) for p in layers for shape in p["shapes"])
         if u["scheme"] == "sfb":  # K rows of u (N wide) and v (M wide) to and from P-1 peers
             assert row["net_sent_per_iter"] + row["net_recv_per_iter"] == layers[0]["sfb_bytes"], row
+        elif u["scheme"] == "shm":  # the sums go through memory, only headers on sockets
+            assert row["all_sent_per_iter"] == row["all_recv_per_iter"] == 0, row
         elif u["scheme"] == "ring":  # 2(P-1)/P of the unit each way, within uneven segments
             moved = row["net_sent_per_iter"] + row["net_recv_per_iter"]
             assert abs(moved - FLOAT * cost_ring(params, world)) <= 2 * world * FLOAT, row
@@ -234,7 +239,7 @@ def check_p_workers_equal_one_worker(world: int, comm: str, case: NetCase,
     """Train with ``world`` local workers; compare with the reference and check the counters."""
     batch = TOTAL_BATCH // world
     solver = write_run(tmp_path, case.db, batch, "dist", net=case.net)
-    hosts, base = write_hosts(tmp_path, world)
+    hosts, base = write_hosts(tmp_path, world, one_machine=comm == "shm")
     stats = tmp_path / "stats.json"
     stop = threading.Event()
     forger = threading.Thread(target=forge_forever, args=(base, stop), daemon=True)
@@ -278,6 +283,6 @@ def test_reference_is_not_chaotic(net_case, reference, tmp_path):
     assert worst[1] <= BOUND / 10, worst
 
 
-@pytest.mark.parametrize("comm", ["ps", "sfb", "hybrid", "ring"])
+@pytest.mark.parametrize("comm", ["ps", "sfb", "hybrid", "ring", "shm"])
 def test_two_workers_equal_one_worker_with_twice_the_batch(comm, net_case, reference, tmp_path):
     check_p_workers_equal_one_worker(2, comm, net_case, reference, tmp_path)

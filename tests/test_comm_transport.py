@@ -173,6 +173,8 @@ def test_machine_mates_talk_through_a_unix_socket():
     base = free_base_port(4)
     one = parse_hosts_text(f"127.0.0.1:{base} slots=2\n")
     two = parse_hosts_text(f"127.0.0.1:{base + 4}\n127.0.0.1:{base + 6}\n")
+    for port in (base + 4, base + 6):  # what a killed process of another run left there
+        Path(ipc_address("127.0.0.1", port)[len("ipc://"):]).unlink(missing_ok=True)
     for hosts, local in ((one, True), (two, False)):
         a = Endpoint((WORKER, 0), hosts, [(WORKER, 1)], key=KEY, timeout=10)
         b = Endpoint((WORKER, 1), hosts, [(WORKER, 0)], key=KEY, timeout=10)
@@ -186,3 +188,4 @@ def test_machine_mates_talk_through_a_unix_socket():
         finally:
             a.close()
             b.close()
+        assert not path.exists()  # a closed endpoint leaves no socket file behind

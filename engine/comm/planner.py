@@ -199,10 +199,17 @@ def plan_layers(layers: Sequence[LayerInfo], p1: int, comm: str = "auto",
     return plans
 
 
+#: a layer joins a neighbour's bucket only where that at least halves its time: riding a bucket
+#: is not free (the bucket's first layer waits for the others), and a plan must not flip
+#: between two runs of a job on the noise of the link probe (a resumed run must follow the
+#: same sums, bit for bit)
+JOIN_GAIN = 0.5
+
+
 def _join_buckets(plans: Sequence[LayerPlan], marginal: dict[tuple[int, str], float],
                   fixed: set[str]) -> None:
     """Fusion included: a layer beside a layer of a dense scheme can ride in its bucket for
-    that scheme's time without latency; where that is below the layer's own best time, it
+    that scheme's time without latency; where that is well below the layer's own best time, it
     joins (a small layer next to a large one: one message instead of two). Swept in release
     order, then back, so that the first layer released can join the bucket after it."""
     order = sorted(plans, key=lambda p: -p.info.layer)
@@ -212,7 +219,7 @@ def _join_buckets(plans: Sequence[LayerPlan], marginal: dict[tuple[int, str], fl
             joined = marginal.get((p.info.layer, d))
             if p.info.name in fixed or d == p.scheme or joined is None:
                 continue
-            if joined < p.timings[p.scheme].total_s:
+            if joined < JOIN_GAIN * p.timings[p.scheme].total_s:
                 p.scheme, p.reason = d, f"fastest in {prev.info.name}'s bucket"
 
 

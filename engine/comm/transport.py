@@ -179,8 +179,13 @@ class Endpoint:
             raise CommError(f"{peer_name(me, self.hosts)}: cannot bind port {port}{held}: {e}") from None
         mine = self.hosts[me[1]]
         local = [p for p in self.peers if local_ipc and _same_machine(self.hosts[p[1]], mine)]
+        #: the Unix socket's file, removed at close (a stale one, of a killed process, is
+        #: replaced by the next bind: the TCP port above says nobody alive holds it)
+        self._ipc_path: str | None = None
         if local:  # machine mates (and a worker's own shard) talk through a Unix socket
-            self._pull.bind(ipc_address(mine.host, port))
+            address = ipc_address(mine.host, port)
+            self._pull.bind(address)
+            self._ipc_path = address[len("ipc://"):]
         self._push: dict[PeerId, zmq.Socket] = {}
         for p in self.peers:
             s = self._ctx.socket(zmq.PUSH)
@@ -476,6 +481,11 @@ class Endpoint:
             self._push.clear()
         self._pull.close(linger=0)
         self._ctx.term()
+        if self._ipc_path is not None:
+            try:
+                os.unlink(self._ipc_path)
+            except FileNotFoundError:
+                pass
 
 
 def _hard_exit(reason: str) -> None:
