@@ -11,9 +11,10 @@ worker's vector and one for the sum. A round:
 3. once every part is summed, each worker reads the sum (the mean is taken by the caller).
 
 A large unit is cut into P parts, one per worker (a reduce-scatter and an all-gather through
-memory: each worker reads its vector's size once more than it writes); a unit below
-``PARALLEL_BYTES`` is summed by one worker (rotating with the unit), so that its round costs 2(P-1)
-signals instead of 2P(P-1). Every part is summed once and read by all, so replicas are
+memory: a worker writes its vector, reads 1/P of every slot, writes 1/P of the sum and reads the
+whole sum; with the plain codecs its gradients are gathered straight into its slot); a unit
+below ``PARALLEL_BYTES`` is summed by one worker (rotating with the unit), so that its round
+costs 2(P-1) signals instead of 2P(P-1). Every part is summed once and read by all, so replicas are
 bit-identical. The signals are header-only ZeroMQ messages, authenticated and checked like every
 other; only the arrays go through memory. No socket carries a gradient byte, so the byte
 counters of an shm unit stay at zero.
@@ -28,7 +29,8 @@ the authenticated PLAN), created by rank 0 with O_EXCL and mode 0600, its memory
 front (posix_fallocate: a full /dev/shm is an error at start-up, never a SIGBUS mid-run). The other
 workers open it at their first round (after the start-up barrier, so it exists), and rank 0
 unlinks it once its first round is complete (every worker has opened it by then) or at close,
-whichever comes first: a killed job leaves nothing behind once it has trained a round. A process
+whichever comes first: a job killed after its first round leaves nothing behind (one killed
+before it leaves a file named poseidon-<nonce>). A process
 that can open an 0600 file of the job's user can also ptrace its workers, so the segment's
 contents are not authenticated beyond that.
 """
@@ -180,6 +182,7 @@ class Shm(DenseScheme):
     def close(self) -> None:
         self._unlink()
         self._views.clear()
+        self._buffers.clear()
         if self._map is not None:
             try:
                 self._map.close()
