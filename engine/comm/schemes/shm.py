@@ -87,11 +87,13 @@ class Shm(DenseScheme):
         self.world = host.world
         self.rank = host.rank
         self.peers: list[PeerId] = [(WORKER, r) for r in range(self.world) if r != self.rank]
-        self.dtype = np.dtype("<f4")
+        if len(host.plan.nonce) < 16:
+            raise CommError("shm: the plan carries no nonce to name the shared memory by")
+        # a job's gradients share one dtype (the net's)
+        self.dtype = np.dtype(units[0].params[0].blob.diff.dtype if units else "<f4")
         self._regions: dict[tuple[int, int], _Region] = {}
         offset = 0
         for u in units:
-            self.dtype = np.dtype(u.params[0].blob.diff.dtype).newbyteorder("<")
             for phase, count in sorted(host.codec.vectors(u.count).items()):
                 many = count * self.dtype.itemsize >= PARALLEL_BYTES
                 summers = list(range(self.world)) if many else [u.id % self.world]
@@ -105,8 +107,6 @@ class Shm(DenseScheme):
         self._views: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._ops: dict[tuple[int, int, int], _Op] = {}
         self._early: dict[tuple[int, int, int], list[Message]] = {}
-        if len(host.plan.nonce) < 16:
-            raise CommError("shm: the plan carries no nonce to name the shared memory by")
         if self._creator:
             self._open(create=True)
 
