@@ -195,8 +195,42 @@ def plan_layers(layers: Sequence[LayerInfo], p1: int, comm: str = "auto",
                       else "no sufficient factors")
         plans.append(LayerPlan(info, scheme, timings, p1, reason))
     if comm == "auto" and fusion:
+        _unify_runs(plans, marginal, set(overrides))
         _join_buckets(plans, marginal, set(overrides))
     return plans
+
+
+def _unify_runs(plans: Sequence[LayerPlan], marginal: dict[tuple[int, str], float],
+                fixed: set[str]) -> None:
+    """Consecutive layers (in release order) that chose dense schemes travel in buckets, and
+    each bucket pays its latency once: where one of their schemes for the whole run costs no
+    more than the mix (its first layer's time plus the others' latency-free times), all take it.
+    Two small layers a hair apart in price then share one bucket instead of paying two rounds
+    (measured: the conv net on 1 Gbit/s links planned PS + ring, 0.81x DDP; one scheme 0.96-1.01x)."""
+    runs: list[list[LayerPlan]] = [[]]
+    for p in sorted(plans, key=lambda p: -p.info.layer):
+        if SCHEMES[p.scheme].dense and p.info.name not in fixed:
+            runs[-1].append(p)
+        elif runs[-1]:
+            runs.append([])
+
+    def cost(run: list[LayerPlan], schemes: list[str]) -> float:
+        total, prev = 0.0, None
+        for p, s in zip(run, schemes):
+            total += marginal[(p.info.layer, s)] if s == prev else p.timings[s].total_s
+            prev = s
+        return total
+
+    for run in runs:
+        present = sorted({p.scheme for p in run})
+        if len(present) < 2:
+            continue
+        options = [d for d in present if all((p.info.layer, d) in marginal for p in run)]
+        best = min(options, key=lambda d: cost(run, [d] * len(run)), default=None)
+        if best is not None and cost(run, [best] * len(run)) <= cost(run, [p.scheme for p in run]):
+            for p in run:
+                if p.scheme != best:
+                    p.scheme, p.reason = best, f"one {best} bucket with its neighbours"
 
 
 #: a layer joins a neighbour's bucket only where that at least halves its time: riding a bucket
