@@ -137,7 +137,7 @@ def plan_layers(layers: Sequence[LayerInfo], p1: int, comm: str = "auto",
     allows it. ``slots`` workers per machine: dense schemes are priced in two levels, the
     machine's own ``local_link`` around the network's ``link``. ``machines``: how many
     machines the workers are on (default: p1 / slots); one-machine schemes need 1.
-    ``fusion``: auto prices fusion in (``_join_buckets``)."""
+    ``fusion``: auto prices fusion in (``_unify_runs``, ``_join_buckets``)."""
     from .levels import timing as level_timing
 
     comm, overrides = split_comm(comm)
