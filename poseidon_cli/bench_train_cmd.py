@@ -15,7 +15,7 @@ from .simulate_cmd import parse_workers
 @click.option("--workers", default="1,2,4", show_default=True, help="Local worker counts.")
 @click.option("--scheme", "schemes", default=None,
               help="Schemes to run; a variant adds train options after a colon: "
-              "'ring:--fusion-mb=4', 'auto:--no-priority'. [default: ps,sfb,ring,shm,hybrid,auto; "
+              "'ring:--fusion-mb=4', 'auto:--no-priority'. [default: ps,sfb,ring,hd,shm,hybrid,auto; "
               "without shm with --bandwidth, where every worker is a machine of its own]")
 @click.option("--net", "nets", default="fc,conv", show_default=True,
               help="fc: FC-heavy (1.3 M parameters); conv: conv-heavy (66 K parameters).")
@@ -49,7 +49,7 @@ def train(workers: str, schemes: str | None, nets: str, iters: int, repeats: int
                 fail(str(e))
             cleanup_stale()
     if schemes is None:
-        schemes = "ps,sfb,ring,hybrid,auto" if bits else "ps,sfb,ring,shm,hybrid,auto"
+        schemes = "ps,sfb,ring,hd,hybrid,auto" if bits else "ps,sfb,ring,hd,shm,hybrid,auto"
     names = tuple(n.strip() for n in nets.split(",") if n.strip())
     for n in names:
         if n not in NETS:

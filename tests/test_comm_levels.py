@@ -53,7 +53,7 @@ def check(res: dict, world: int, rounds: int) -> None:
 
 
 @pytest.mark.parametrize("m, k", [(2, 2), (2, 3), (3, 2)])
-@pytest.mark.parametrize("comm", ["ring", "ps", "sfb"])
+@pytest.mark.parametrize("comm", ["ring", "hd", "ps", "sfb"])
 def test_two_levels_are_exact_and_bit_identical(m, k, comm):
     """Every scheme, the FC layer by SFB when comm is sfb (the rest by PS then)."""
     world = m * k

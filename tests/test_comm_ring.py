@@ -1,4 +1,5 @@
-"""Ring allreduce, fusion and the fp16 wire: exact sums, bit-identical replicas, byte counts.
+"""Ring and halving-doubling allreduce, fusion and the fp16 wire: exact sums, bit-identical
+replicas, byte counts.
 
 P workers (and, for PS, P shards) run as threads of this process, each with its own ZeroMQ
 endpoint on loopback and its own syncer, exactly as in a worker process. Each worker's
@@ -110,9 +111,11 @@ def exact_mean(world: int, rnd: int, shapes: dict = SHAPES) -> dict:
                 for j in range(len(ss))] for l, ss in shapes.items()}
 
 
+@pytest.mark.parametrize("comm", ["ring", "hd"])
 @pytest.mark.parametrize("world", [2, 3, 4, 5, 6])
-def test_ring_sum_is_exact_and_bit_identical(world):
-    res = run(world, "ring", rounds=2)
+def test_allreduce_sum_is_exact_and_bit_identical(world, comm):
+    """Pieces of 64 bytes: many messages per step, arriving in any order across steps."""
+    res = run(world, comm, rounds=2)
     for rnd in range(2):
         want = exact_mean(world, rnd)
         for l, arrays in want.items():
@@ -139,10 +142,54 @@ def test_ring_byte_counters_are_two_p_minus_one_over_p(world):
             assert row is None or row["scheme"] == "ring"
 
 
+def hd_bytes(world: int, rank: int, nbytes: int) -> float:
+    """Bytes a halving-doubling node sends (and receives) per round: 2(q-1)/q of the vector
+    among the q = 2^k workers that run it, plus the whole vector once on a folded pair."""
+    q = 1 << (world.bit_length() - 1)
+    folded = rank < 2 * (world - q)
+    if folded and rank % 2 == 0:
+        return nbytes
+    return 2 * (q - 1) / q * nbytes + (nbytes if folded else 0)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 6, 8])
+def test_halving_doubling_byte_counters(world):
+    res = run(world, "hd", rounds=2, chunk_bytes=1 << 20)
+    for rank in range(world):
+        rows = {row["layer"]: row for row in res[rank][1]["layers"]}
+        for l, ss in SHAPES.items():
+            nbytes = 4 * sum(int(np.prod(s)) for s in ss)
+            row = rows.get(l)
+            sent = row["all_sent_per_iter"] if row else 0.0
+            recv = row["all_recv_per_iter"] if row else 0.0
+            # halves differ by at most one value per step
+            assert abs(sent - hd_bytes(world, rank, nbytes)) <= 4 * world, (rank, l, row)
+            assert abs(recv - hd_bytes(world, rank, nbytes)) <= 4 * world, (rank, l, row)
+
+
+def test_halving_doubling_takes_two_log_p_steps_where_ring_takes_two_p_minus_two():
+    """The point of the scheme: 8 workers, one small layer; every worker sends 2·log2(8) = 6
+    messages per round (ring: 14), and the planner prices it at ring's price less 8 latencies."""
+    from engine.comm.planner import plan_layers
+    from engine.perf.link import Link
+
+    shapes = {0: [(64,)]}
+    for comm, messages in (("hd", 6), ("ring", 14)):
+        res = run(8, comm, rounds=1, chunk_bytes=1 << 20, shapes=shapes)
+        for rank in range(8):
+            [row] = res[rank][1]["layers"]
+            assert row["messages_sent_per_iter"] == messages, (comm, rank, row)
+            assert row["messages_recv_per_iter"] == messages, (comm, rank, row)
+    link = Link(100e-6, 1e-9, "test")
+    [p] = plan_layers([LayerInfo(0, "l0", [(64,)])], 8, "auto", link=link)
+    gap = p.timings["ring"].total_s - p.timings["hd"].total_s
+    assert gap == pytest.approx(8 * link.alpha_s, rel=0.05)
+
+
 def test_fusion_is_exact_and_sends_one_operation_per_bucket():
-    """All five layers in one bucket (ring) and in PS buckets: same sums as unfused, and the
-    messages of a round are those of one unit."""
-    for comm in ("ring", "ps"):
+    """All five layers in one bucket (ring, halving-doubling) and in PS buckets: same sums as
+    unfused, and the messages of a round are those of one unit."""
+    for comm in ("ring", "hd", "ps"):
         res = run(3, comm, rounds=2, chunk_bytes=1 << 20, fusion_bytes=1 << 20)
         units = res[0][2]
         assert len(units) == 1 and [s.layer for s in next(iter(units.values())).layers] == [4, 3, 2, 1, 0]
@@ -157,11 +204,13 @@ def test_fusion_is_exact_and_sends_one_operation_per_bucket():
         total = 4 * sum(int(np.prod(s)) for ss in SHAPES.values() for s in ss)
         if comm == "ring":
             assert abs(row["all_sent_per_iter"] - 2 * 2 / 3 * total) <= 12
+        elif comm == "hd":  # rank 0 of 3 is folded: it sends its whole vector once
+            assert row["all_sent_per_iter"] == total
         else:
             assert row["all_sent_per_iter"] == total
 
 
-@pytest.mark.parametrize("comm", ["ring", "ps"])
+@pytest.mark.parametrize("comm", ["ring", "hd", "ps"])
 def test_fp16_halves_the_bytes_sums_in_float32_and_stays_bit_identical(comm):
     res32 = run(3, comm, rounds=2, chunk_bytes=1 << 20)
     res16 = run(3, comm, rounds=2, chunk_bytes=1 << 20, wire="fp16")

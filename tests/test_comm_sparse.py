@@ -102,7 +102,7 @@ def applied(res: dict, rank: int, layer: int, rnd: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
-@pytest.mark.parametrize("comm", ["ring", "ps"])
+@pytest.mark.parametrize("comm", ["ring", "hd", "ps"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_sparse_rounds_send_the_top_chunks_and_keep_the_rest(world, comm, momentum):
     rounds, warmup = 4, 1

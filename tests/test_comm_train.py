@@ -198,7 +198,7 @@ def check_plan_and_counters(s: dict, world: int, comm: str, k: int) -> None:
 
     InnerProduct layers are those with a 2-D (N x M) weight; ``k`` is the batch per worker
     (both nets feed the InnerProducts one row per image). Counters are per unit (a layer, or a
-    fusion bucket of consecutive PS, ring or shm layers, named 'ip2+ip1'). Without a shard's own
+    fusion bucket of consecutive dense-scheme layers, named 'ip2+ip1'). Without a shard's own
     counters only the worker side of PS is checked here; test_comm_sync checks the node formula.
     """
     counters = {row["name"]: row for row in s["layers"]}
@@ -216,7 +216,7 @@ def check_plan_and_counters(s: dict, world: int, comm: str, k: int) -> None:
             want = comm if comm != "hybrid" else ("sfb" if sfb < ps else "ps")
         else:
             assert p["sfb_bytes"] is None, p
-            want = comm if comm in ("ring", "shm") else "ps"
+            want = comm if comm in ("ring", "hd", "shm") else "ps"
         assert p["scheme"] == want, (p, comm)
     for u in s["units"]:
         layers = [plan[l] for l in u["layers"]]
@@ -227,7 +227,8 @@ def check_plan_and_counters(s: dict, world: int, comm: str, k: int) -> None:
             assert row["net_sent_per_iter"] + row["net_recv_per_iter"] == layers[0]["sfb_bytes"], row
         elif u["scheme"] == "shm":  # the sums go through memory, only headers on sockets
             assert row["all_sent_per_iter"] == row["all_recv_per_iter"] == 0, row
-        elif u["scheme"] == "ring":  # 2(P-1)/P of the unit each way, within uneven segments
+        elif u["scheme"] in ("ring", "hd"):  # 2(P-1)/P of the unit each way (P a power of two),
+            # within uneven segments
             moved = row["net_sent_per_iter"] + row["net_recv_per_iter"]
             assert abs(moved - FLOAT * cost_ring(params, world)) <= 2 * world * FLOAT, row
         else:  # the worker pushes and pulls every float once
@@ -283,6 +284,6 @@ def test_reference_is_not_chaotic(net_case, reference, tmp_path):
     assert worst[1] <= BOUND / 10, worst
 
 
-@pytest.mark.parametrize("comm", ["ps", "sfb", "hybrid", "ring", "shm"])
+@pytest.mark.parametrize("comm", ["ps", "sfb", "hybrid", "ring", "hd", "shm"])
 def test_two_workers_equal_one_worker_with_twice_the_batch(comm, net_case, reference, tmp_path):
     check_p_workers_equal_one_worker(2, comm, net_case, reference, tmp_path)

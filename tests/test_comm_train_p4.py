@@ -12,7 +12,7 @@ from tests.test_comm_train import (  # noqa: F401
 )
 
 
-@pytest.mark.parametrize("comm", ["ps", "sfb", "hybrid", "ring"])
+@pytest.mark.parametrize("comm", ["ps", "sfb", "hybrid", "ring", "hd"])
 def test_four_workers_equal_one_worker_with_four_times_the_batch(comm, net_case, reference,  # noqa: F811
                                                                  tmp_path):
     check_p_workers_equal_one_worker(4, comm, net_case, reference, tmp_path)

@@ -1,9 +1,9 @@
 """Communication counters: bytes per layer and scheme, time waiting on the network, overlap.
 
 Bytes are array-payload bytes (headers are a few dozen bytes and not counted, so the counters
-can be compared with the cost model's float counts). Each transfer is counted twice over:
-``net`` when it crosses the node boundary (a worker and its own shard are one node), and in
-the ``all`` totals whatever the peer. Time counters come from the syncer: for every layer and
+can be compared with the cost model's float counts); messages are counted beside them. Each
+transfer is counted twice over: ``net`` when it crosses the node boundary (a worker and its own
+shard are one node), and in the ``all`` totals whatever the peer. Time counters come from the syncer: for every layer and
 round, when its gradients were released and when the update was applied, and how long the
 training thread blocked in ``wait``.
 """
@@ -22,8 +22,8 @@ class CommStats:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # (layer, scheme) -> [sent_net, recv_net, sent_all, recv_all]
-        self._bytes: dict[tuple[int, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+        # (layer, scheme) -> [sent_net, recv_net, sent_all, recv_all, messages sent, received]
+        self._bytes: dict[tuple[int, str], list[int]] = defaultdict(lambda: [0] * 6)
         self._wait: dict[int, float] = defaultdict(float)
         self._intervals: dict[int, list[tuple[int, float, float]]] = defaultdict(list)  # round ->
         self._rounds: dict[int, int] = defaultdict(int)  # layer -> completed rounds
@@ -32,9 +32,11 @@ class CommStats:
         self.extra: dict[str, Any] = {}
 
     def add_bytes(self, layer: int, scheme: str, sent: bool, nbytes: int, network: bool) -> None:
+        """One message's array bytes (a latency-bound scheme is judged by its message count)."""
         with self._lock:
             row = self._bytes[(layer, scheme)]
             row[2 if sent else 3] += nbytes
+            row[4 if sent else 5] += 1
             if network:
                 row[0 if sent else 1] += nbytes
 
@@ -57,12 +59,14 @@ class CommStats:
         """Per-layer bytes per round (network and all), wait seconds, and the hidden fraction."""
         with self._lock:
             layers = []
-            for (layer, scheme), (sn, rn, sa, ra) in sorted(self._bytes.items()):
+            for (layer, scheme), (sn, rn, sa, ra, ms, mr) in sorted(self._bytes.items()):
                 n = max(self._rounds.get(layer, 0), 1)
                 layers.append({"layer": layer, "name": self.layer_names.get(layer, str(layer)),
                                "scheme": scheme, "rounds": self._rounds.get(layer, 0),
                                "net_sent_per_iter": sn / n, "net_recv_per_iter": rn / n,
-                               "all_sent_per_iter": sa / n, "all_recv_per_iter": ra / n})
+                               "all_sent_per_iter": sa / n, "all_recv_per_iter": ra / n,
+                               "messages_sent_per_iter": ms / n,
+                               "messages_recv_per_iter": mr / n})
             comm, hidden = 0.0, 0.0
             for ivs in self._intervals.values():
                 c, h = _overlap(ivs)

@@ -6,11 +6,12 @@ A new scheme is one module here plus one line in ``SCHEMES``: the planner prices
 from __future__ import annotations
 
 from .base import Scheme
+from .halving_doubling import HalvingDoubling
 from .ps import PS
 from .ring import Ring
 from .sfb import SFB
 from .shm import Shm
 
-SCHEMES: dict[str, type[Scheme]] = {s.name: s for s in (PS, SFB, Ring, Shm)}
+SCHEMES: dict[str, type[Scheme]] = {s.name: s for s in (PS, SFB, Ring, HalvingDoubling, Shm)}
 
 __all__ = ["SCHEMES", "Scheme"]
