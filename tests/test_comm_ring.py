@@ -247,3 +247,63 @@ def test_fp16_overflow_skips_the_update_everywhere_and_halves_the_scale():
         for key in seen:
             np.testing.assert_array_equal(seen[key][0], np.full(4, 300.0, np.float32))
     assert OVERFLOW_BIT == 4
+
+
+@pytest.mark.parametrize("world", range(1, 17))
+def test_halving_doubling_schedules_pair_up_and_own_every_value_once(world):
+    """Every step a worker sends is the step its partner receives, piece for piece; the ranges
+    whose sums the workers form cover the vector exactly once; 2·log2(q) steps (+2 folded)."""
+    from engine.comm.schemes.halving_doubling import schedule
+
+    count = 1001
+
+    def pieces(lo, hi):  # pieces of at most 100 values
+        n = max(1, -(-(hi - lo) // 100))
+        step = -(-(hi - lo) // n) if hi > lo else 0
+        return tuple((o, min(step, hi - o)) for o in range(lo, lo + n * step, step)) or ((lo, 0),)
+
+    scheds = [schedule(count, world, r, pieces) for r in range(world)]
+    q = 1 << (world.bit_length() - 1)
+    owned = np.zeros(count, int)
+    for r, sc in enumerate(scheds):
+        folded = r < 2 * (world - q)
+        assert len(sc.steps) == (2 if folded and r % 2 == 0 else
+                                 2 * (q.bit_length() - 1) + 2 * folded)
+        for st in sc.steps:
+            mate = {s.op: s for s in scheds[st.peer].steps}[st.op]
+            assert mate.peer == r and mate.send == st.recv and mate.recv == st.send
+        if sc.own is not None:
+            owned[sc.own[0]:sc.own[1]] += 1
+    assert (owned == 1).all()
+
+
+def test_halving_doubling_checks_sender_step_piece_and_shape():
+    """The receive thread's check, before a byte is used: only this step's partner, a step this
+    worker receives, a piece that exists, the piece's length and the wire dtype."""
+    from engine.comm.codecs import Codec
+    from engine.comm.schemes.base import Unit
+    from engine.comm.schemes.halving_doubling import HalvingDoubling
+    from engine.comm.transport import Message
+    from engine.pb import poseidon_pb2 as pb
+
+    slot = LayerSlot(0, "l0", [ParamSlot(0, "l0/0", SimpleNamespace(diff=np.zeros(40, np.float32)),
+                                         "other")])
+    host = SimpleNamespace(world=4, rank=0, codec=Codec())
+    hd = HalvingDoubling(host, [Unit([slot], "hd")], chunk_bytes=64)
+    # worker 0 of 4: halving with 2 first; it keeps values 0-19, which come in two pieces of
+    # 10 (at most 64 bytes each)
+
+    def msg(sender, op, chunk, n, dtype=np.float32, rnd=0):
+        return Message(pb.Header(kind=pb.DATA, scheme="hd", layer=0, round=rnd, op=op,
+                                 chunk=chunk, sender=sender, sender_role=pb.WORKER),
+                       [np.zeros(n, dtype)])
+
+    assert hd.check(msg(2, 1, 0, 10), (0, 1)) is None
+    assert hd.check(msg(2, 1, 1, 10), (0, 1)) is None
+    assert hd.check(msg(1, 2, 0, 10), (0, 1)) is None  # then with 1: values 0-9, one piece
+    assert "partner" in hd.check(msg(1, 1, 0, 10), (0, 1))
+    assert "no piece" in hd.check(msg(2, 1, 2, 10), (0, 1))
+    assert "arrays" in hd.check(msg(2, 1, 0, 11), (0, 1))
+    assert "arrays" in hd.check(msg(2, 1, 0, 10, np.float64), (0, 1))
+    assert "receives no step" in hd.check(msg(2, 9, 0, 10), (0, 1))
+    assert "round" in hd.check(msg(2, 1, 0, 10, rnd=5), (0, 1))

@@ -1,8 +1,8 @@
 """Fusion (GradientFlow's lazy allreduce, Horovod's tensor fusion): small layers travel together.
 
 Backward releases layers top-down. Consecutive layers synchronised by the same dense scheme
-(PS, ring) are packed into one bucket, one operation per round, until the bucket would hold more
-than ``fusion_bytes`` or its first layer would wait longer than ``fusion_s`` for its last (by
+(PS, ring, hd) are packed into one bucket, one operation per round, until the bucket would hold
+more than ``fusion_bytes`` or its first layer would wait longer than ``fusion_s`` for its last (by
 the estimated backward times of the layers in between). A bucket travels the moment its last
 layer is released; the end of backward is a bucket's end too. Buckets are fixed for the whole
 run and chosen by rank 0, so every worker packs the same layers (a ring needs that).

@@ -5,8 +5,8 @@ as BytePS and PHub do, without a leader that does all the work:
 
 1. local reduce-scatter: the vector is cut into k parts; local worker i receives part i from
    its k-1 machine mates and sums the k contributions in local-rank order;
-2. network: local worker i runs the network scheme (PS or ring, with the wire codec) on its
-   part with the owners of part i on the other machines (its network group);
+2. network: local worker i runs the network scheme (PS, ring or hd, with the wire codec) on
+   its part with the owners of part i on the other machines (its network group);
 3. local all-gather: each owner hands its summed part to its machine mates.
 
 So a machine's network link carries one copy of the vector, as one worker per machine with k
@@ -53,7 +53,7 @@ class _Op:
 
 
 class Levels(DenseScheme):
-    """``inner`` (PS or ring) across machines on each local worker's part of a unit."""
+    """``inner`` (PS, ring or hd) across machines on each local worker's part of a unit."""
 
     def __init__(self, host: Any, units: Sequence[Unit], chunk_bytes: int,
                  inner: type[DenseScheme]) -> None:

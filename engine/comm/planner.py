@@ -6,7 +6,7 @@ speeds), the same functions the DAG model of ``poseidon simulate`` uses. ``--com
 
     auto    per layer the fastest of the schemes that can run (the default)
     hybrid  Poseidon's SACP: SFB where it moves fewer bytes than PS, else PS
-    ps | sfb | ring | shm   that scheme wherever the layer allows it (else PS)
+    ps | sfb | ring | hd | shm   that scheme wherever the layer allows it (else PS)
 
 shm (shared memory) runs only when every worker is on one machine; it is then offered beside
 the others, priced by the memory it copies and its two signals.
@@ -18,8 +18,10 @@ with an M x N weight, batch K, P1 workers and P2 server shards:
     PS, node = worker + server    2MN(P1+P2-2)/P2
     SFB                           2K(P1-1)(M+N)
     ring allreduce                4MN(P1-1)/P1
+    halving-doubling (hd)         4MN(P1-1)/P1 when P1 is a power of two (ring's bytes in
+                                  2 log2 P1 steps instead of 2(P1-1))
 
-Then consecutive layers with the same dense scheme (PS, ring) are fused into buckets
+Then consecutive layers with the same dense scheme (PS, ring, hd) are fused into buckets
 (engine/comm/fusion.py). Rank 0 makes the plan and sends it to every worker (engine/comm/plan
 travels as a poseidon.Plan), so all follow one plan even where their measurements differ.
 """

@@ -6,7 +6,8 @@ travel. When every layer of a unit (one layer, or a fusion bucket) is released, 
 scheme takes it on the *progress thread*, which also takes every checked message; schemes run
 event-driven there and call ``done`` when a unit's mean gradient is in its diffs, which applies
 the solver's ``update_layer``. A *sender thread* moves the schemes' messages, lowest layer first
-when several wait (the next forward needs the bottom layer first). ``wait(layer)`` blocks the
+when several wait (the next forward needs the bottom layer first); a small message with none
+waiting goes out straight from the progress thread. ``wait(layer)`` blocks the
 next forward of a layer until its update is applied (BSP, per layer).
 
 At start-up every worker and shard meet: HELLO (same net, same settings), rank 0 probes the
@@ -41,8 +42,8 @@ from .schemes.ps import DEFAULT_CHUNK_BYTES, layout_digest
 from .levels import compose
 from .topology import Topology
 from .stats import CommStats, now
-from .transport import (HEADER_BYTES, HEADER_BYTES_PER_CHUNK, SHARD, WORKER, Endpoint, Message,
-                        PeerId, header, message_key)
+from .transport import (COPY_BELOW_BYTES, HEADER_BYTES, HEADER_BYTES_PER_CHUNK, SHARD, WORKER,
+                        Endpoint, Message, PeerId, header, message_key)
 
 log = logging.getLogger("poseidon.comm")
 
@@ -149,6 +150,9 @@ class Syncer:
         self._cond = threading.Condition()
         self._seq = itertools.count()
         self._send_q: queue.PriorityQueue = queue.PriorityQueue()
+        #: messages queued for the sender thread and not yet sent (under ``_unsent_lock``)
+        self._unsent = 0
+        self._unsent_lock = threading.Lock()
         self._events: queue.Queue = queue.Queue()
         ep.checker = self._check
         ep.handler = self._events.put
@@ -376,9 +380,21 @@ class Syncer:
     # ------------------------------------------------------------------ the schemes' host
     def send(self, unit: Unit, peers: Sequence[PeerId], hdr: pb.Header,
              arrays: Sequence[np.ndarray] = ()) -> None:
-        """Queue a message for the sender thread, lowest unit first (FIFO within a unit)."""
-        self._send_q.put((unit.priority if self.priority else 0, next(self._seq),
-                          (unit, list(peers), hdr, list(arrays))))
+        """Queue a message for the sender thread, lowest unit first (FIFO within a unit); but a
+        small one (copied by the transport: cheap to send) goes out at once from this thread
+        when nothing is queued. A hand-off to another thread costs a scheduling delay, which a
+        latency-bound round pays at every hop (measured: halving-doubling on the conv net of
+        `bench train`, 1 Gbit/s namespaces, 1.13x DDP against 1.05x through the thread)."""
+        job = (unit, list(peers), hdr, list(arrays))
+        small = sum(a.nbytes for a in job[3]) < COPY_BELOW_BYTES
+        with self._unsent_lock:
+            inline = small and self._unsent == 0
+            if not inline:
+                self._unsent += 1
+        if inline:
+            self._transmit(job)
+        else:
+            self._send_q.put((unit.priority if self.priority else 0, next(self._seq), job))
 
     def done(self, unit: Unit, rnd: int, bits: int) -> None:
         """``unit``'s mean gradient of round ``rnd`` is in its diffs: apply (progress thread)."""
@@ -448,14 +464,19 @@ class Syncer:
             _, _, job = self._send_q.get()
             if job is None or ep.error is not None:
                 return
-            unit, peers, hdr, arrays = job
-            tl = timeline.current
-            start = tl.now()
-            ep.broadcast(peers, hdr, arrays)
-            if tl.active:
-                tl.complete(f"send {unit.name}", "send", start,
-                            {"round": hdr.round, "scheme": hdr.scheme, "op": hdr.op,
-                             "bytes": sum(a.nbytes for a in arrays) * len(peers)})
+            self._transmit(job)
+            with self._unsent_lock:
+                self._unsent -= 1
+
+    def _transmit(self, job: tuple[Unit, list[PeerId], pb.Header, list[np.ndarray]]) -> None:
+        unit, peers, hdr, arrays = job
+        tl = timeline.current
+        start = tl.now()
+        self.ep.broadcast(peers, hdr, arrays)
+        if tl.active:
+            tl.complete(f"send {unit.name}", "send", start,
+                        {"round": hdr.round, "scheme": hdr.scheme, "op": hdr.op,
+                         "bytes": sum(a.nbytes for a in arrays) * len(peers)})
 
     def _progress_loop(self) -> None:
         while True:

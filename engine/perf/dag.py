@@ -17,6 +17,8 @@ An event simulation of one worker's iterations, with the resources the real comm
     pushes, so one chunk's push and addition are not overlapped;
   * SFB: a node sends its factors u (K x N) and v (K x M) to P-1 peers and receives theirs;
   * ring: 2(P-1) steps of 1/P of the layer each way, pipelined in sub-chunks;
+  * hd: 2·log2(P) steps of halves, quarters, ... of the layer, each waiting for the one
+    before (a folded pair's whole vector before and after when P is not a power of two);
   each scheme's ``timing`` (engine/comm/schemes) prices a layer, as the planner does;
 - one progress thread rebuilds SFB gradients (one GEMM of P·K·M·N multiply-adds), adds ring
   segments, writes the mean gradient and runs the solver update of the layer; then that

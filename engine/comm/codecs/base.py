@@ -1,6 +1,6 @@
 """The codec interface: how a dense scheme's vectors look on the wire, and what a round sums.
 
-A codec composes with any scheme that sums dense vectors (PS, ring): the scheme asks it for
+A codec composes with any scheme that sums dense vectors (PS, ring, hd): the scheme asks it for
 the vectors a round sums (``vectors``: one per *phase*, so that PS's chunk table stays static),
 encodes what it sends and decodes what it receives, and hands a unit's round to ``reduce``,
 which calls the scheme's ``sum_vector`` one or more times and finally ``finish`` with the summed
