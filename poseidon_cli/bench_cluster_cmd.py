@@ -17,7 +17,7 @@ from .simulate_cmd import parse_workers
               help="The solver whose net to train (its data is not read with --compute replay).")
 @click.option("--workers", default="1,2,4,8", show_default=True, help="Worker counts: 1,2,4,8.")
 @click.option("--scheme", "schemes", default="ps,hybrid", show_default=True,
-              help="Schemes to run: ps, sfb, ring, hybrid, auto; a variant adds train options "
+              help="Schemes to run: ps, sfb, ring, hd, hybrid, auto; a variant adds train options "
               "after a colon: 'ps:--no-priority', 'ring:--fusion-mb=4'.")
 @click.option("--bandwidth", default="10gbit", show_default=True,
               help="Each emulated host's link, each direction.")
