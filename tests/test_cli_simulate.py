@@ -16,14 +16,14 @@ def test_json_predictions_for_every_scheme_and_count():
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     rows = {(p["scheme"], p["workers"]): p for p in report["predictions"]}
-    assert set(rows) == {(s, n) for s in ("ps", "sfb", "ring", "hybrid", "auto")
+    assert set(rows) == {(s, n) for s in ("ps", "sfb", "ring", "hd", "hybrid", "auto")
                          for n in (1, 2, 4, 5)}
     assert report["params"] == 14_322_532 and report["batch"] == 32
     assert report["link"]["bandwidth_bits_per_s"] == pytest.approx(1e10)
     assert rows[("hybrid", 4)]["speedup"] > rows[("ps", 4)]["speedup"]
     # the planner's pick per layer is never slower than a single scheme for the whole net
     for n in (2, 4, 5):
-        best = max(rows[(s, n)]["speedup"] for s in ("ps", "sfb", "ring", "hybrid"))
+        best = max(rows[(s, n)]["speedup"] for s in ("ps", "sfb", "ring", "hd", "hybrid"))
         assert rows[("auto", n)]["speedup"] >= 0.97 * best, n
 
 
