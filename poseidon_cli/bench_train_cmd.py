@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from engine.comm.schemes import NETWORK_SCHEMES, SCHEMES
+
 from .main import fail, user_errors
 from .simulate_cmd import parse_workers
 
@@ -15,8 +17,9 @@ from .simulate_cmd import parse_workers
 @click.option("--workers", default="1,2,4", show_default=True, help="Local worker counts.")
 @click.option("--scheme", "schemes", default=None,
               help="Schemes to run; a variant adds train options after a colon: "
-              "'ring:--fusion-mb=4', 'auto:--no-priority'. [default: ps,sfb,ring,hd,shm,hybrid,auto; "
-              "without shm with --bandwidth, where every worker is a machine of its own]")
+              f"'ring:--fusion-mb=4', 'auto:--no-priority'. [default: {','.join(SCHEMES)},hybrid,auto; "
+              "only those that run between machines with --bandwidth, where every worker is a "
+              "machine of its own]")
 @click.option("--net", "nets", default="fc,conv", show_default=True,
               help="fc: FC-heavy (1.3 M parameters); conv: conv-heavy (66 K parameters).")
 @click.option("--iters", type=int, default=60, show_default=True)
@@ -49,7 +52,7 @@ def train(workers: str, schemes: str | None, nets: str, iters: int, repeats: int
                 fail(str(e))
             cleanup_stale()
     if schemes is None:
-        schemes = "ps,sfb,ring,hd,hybrid,auto" if bits else "ps,sfb,ring,hd,shm,hybrid,auto"
+        schemes = ",".join([*(NETWORK_SCHEMES if bits else SCHEMES), "hybrid", "auto"])
     names = tuple(n.strip() for n in nets.split(",") if n.strip())
     for n in names:
         if n not in NETS:

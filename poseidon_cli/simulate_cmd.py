@@ -13,7 +13,7 @@ from typing import Sequence
 
 import click
 
-from engine.comm.schemes import SCHEMES
+from engine.comm.schemes import NETWORK_SCHEMES
 
 from .main import fail, user_errors
 
@@ -87,8 +87,7 @@ def plot_speedup(predictions: Sequence, path: str, title: str) -> None:
 @click.option("--link", "link_path", type=click.Path(dir_okay=False), default=None,
               help="alpha and beta fitted by `poseidon bench comm --link-out` (replaces "
               "--bandwidth and --latency).")
-@click.option("--scheme", "schemes", default=",".join(
-    [name for name, cls in SCHEMES.items() if not cls.one_machine] + ["hybrid", "auto"]),
+@click.option("--scheme", "schemes", default=",".join([*NETWORK_SCHEMES, "hybrid", "auto"]),
               show_default=True,
               help="Schemes to compare.")
 @click.option("--slots", type=click.IntRange(min=1), default=1, show_default=True,

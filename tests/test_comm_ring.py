@@ -245,14 +245,13 @@ def test_fp16_overflow_skips_the_update_everywhere_and_halves_the_scale():
 def test_halving_doubling_schedules_pair_up_and_own_every_value_once(world):
     """Every step a worker sends is the step its partner receives, piece for piece; the ranges
     whose sums the workers form cover the vector exactly once; 2·log2(q) steps (+2 folded)."""
+    from engine.comm.schemes.base import split
     from engine.comm.schemes.halving_doubling import schedule
 
     count = 1001
 
     def pieces(lo, hi):  # pieces of at most 100 values
-        n = max(1, -(-(hi - lo) // 100))
-        step = -(-(hi - lo) // n) if hi > lo else 0
-        return tuple((o, min(step, hi - o)) for o in range(lo, lo + n * step, step)) or ((lo, 0),)
+        return tuple((lo + o, n) for o, n in split(hi - lo, max(1, -(-(hi - lo) // 100))))
 
     scheds = [schedule(count, world, r, pieces) for r in range(world)]
     q = 1 << (world.bit_length() - 1)

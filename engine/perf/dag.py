@@ -38,7 +38,7 @@ import numpy as np
 
 from engine.comm.levels import shared
 from engine.comm.planner import COMM_MODES, LayerInfo, plan_layers
-from engine.comm.schemes import SCHEMES as SCHEME_CLASSES
+from engine.comm.schemes import NETWORK_SCHEMES, SCHEMES as SCHEME_CLASSES
 from engine.comm.schemes.base import Device, LayerTiming
 from engine.comm.schemes.ps import DEFAULT_CHUNK_BYTES, PSParam, make_layout
 
@@ -48,8 +48,7 @@ from .trace import Trace
 
 #: what --scheme takes: the planner's modes (auto, hybrid) and every scheme that runs between
 #: machines (the model's nodes are machines; shm runs inside one)
-SCHEMES = tuple(m for m in COMM_MODES
-                if m not in SCHEME_CLASSES or not SCHEME_CLASSES[m].one_machine)
+SCHEMES = tuple(m for m in COMM_MODES if m not in SCHEME_CLASSES or m in NETWORK_SCHEMES)
 ITERATIONS = 6  # simulated; the last period is the steady state
 
 __all__ = ["Device", "LayerTiming", "Prediction", "predict", "sweep", "SCHEMES"]

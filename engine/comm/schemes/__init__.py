@@ -13,5 +13,7 @@ from .sfb import SFB
 from .shm import Shm
 
 SCHEMES: dict[str, type[Scheme]] = {s.name: s for s in (PS, SFB, Ring, HalvingDoubling, Shm)}
+#: the schemes that run between machines (what `simulate` models and the emulated cluster runs)
+NETWORK_SCHEMES = tuple(name for name, s in SCHEMES.items() if not s.one_machine)
 
-__all__ = ["SCHEMES", "Scheme"]
+__all__ = ["NETWORK_SCHEMES", "SCHEMES", "Scheme"]
