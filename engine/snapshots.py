@@ -95,6 +95,9 @@ def solver_state(solver: "Solver", learned_net: str = "") -> Any:
     for h in solver.history:
         state.history.add().CopyFrom(array_to_blob(h))
     state.data_position.extend(layer.position() for layer in solver.net.data_layers)
+    sync = solver.sync_state()
+    if sync:
+        state.sync_state = sync
     return state
 
 

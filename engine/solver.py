@@ -63,6 +63,10 @@ class GradientSync(Protocol):
     def close(self) -> None:
         """Stop the communication threads."""
 
+    def state(self) -> bytes:
+        """What a snapshot records so that a resumed run synchronises exactly as this one
+        (Poseidon's syncer: the communication plan); b"" when nothing."""
+
 
 @dataclass
 class TestResult:
@@ -414,6 +418,10 @@ class Solver:
         """Wait for every layer's update in flight (none without a sync)."""
         if self._sync is not None:
             self._sync.wait_all()
+
+    def sync_state(self) -> bytes:
+        """The attached sync's state for a snapshot (b"" without a sync)."""
+        return self._sync.state() if self._sync is not None else b""
 
     def close(self) -> None:
         """Stop an attached sync and the data layers' prefetch threads."""

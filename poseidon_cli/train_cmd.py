@@ -103,6 +103,11 @@ def solver_gpu(solver: str) -> list[int] | None:
 @click.option("--link", default=None, metavar="BW[@LATENCY]|FILE",
               help="Plan for this link (10gbit@50us, or a `poseidon bench comm --link-out` "
               "file) instead of probing it at start-up.")
+@click.option("--plan", "plan_file", default=None, type=click.Path(dir_okay=False),
+              help="Follow this communication plan (a run's <snapshot_prefix>_plan.prototxt, or "
+              "a .solverstate) instead of planning from the link probe: two runs with one plan "
+              "sum in the same order, bit for bit. A resumed run follows its snapshot's plan "
+              "unless the workers differ.")
 @click.option("--priority/--no-priority", default=True, show_default=True,
               help="When several layers wait to be sent, send the lowest (the next forward "
               "needs it first).")
@@ -141,7 +146,8 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
           pin: str | None, hosts: str | None, host_list: str | None, nproc: int | None,
           rank: int | None, comm: str, wire: str,
           sparse: float | None, sparse_warmup: int | None, momentum_correction: bool | None,
-          fusion_mb: float, fusion_ms: float, link: str | None, priority: bool, levels: bool,
+          fusion_mb: float, fusion_ms: float, link: str | None, plan_file: str | None,
+          priority: bool, levels: bool,
           key_file: str | None, launch: str, stats: str | None,
           timeout: float, chunk_bytes: int, shard_threads: int, sigint_effect: str,
           sighup_effect: str, replay: str | None, time_scale: float, log_dir: str | None,
@@ -157,6 +163,8 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
             fail(f"--weights: {w} not found")
     if snapshot and not Path(snapshot).is_file():
         fail(f"--snapshot: {snapshot} not found")
+    if plan_file and not Path(plan_file).is_file():
+        fail(f"--plan: {plan_file} not found")
     if gpu is not None and pin is not None:
         fail("--gpu deals GPUs out round robin, --gpus pins one worker to each: give one")
     with user_errors():
@@ -181,6 +189,7 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
                                sparse=sparse or 0.0, sparse_warmup=sparse_warmup or 0,
                                momentum_correction=momentum_correction is not False,
                                fusion_mb=fusion_mb, fusion_ms=fusion_ms, link=link,
+                               plan=plan_file,
                                priority=priority, levels=levels, timeout=timeout,
                                chunk_bytes=chunk_bytes, shard_threads=shard_threads,
                                weights=tuple(weight_files),
@@ -193,6 +202,8 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
         return
     if sparse is not None:
         fail("--sparse compresses the gradients workers exchange: give --hosts or -n")
+    if plan_file is not None:
+        fail("--plan pins how the workers of a distributed run communicate: give --hosts or -n")
     if key_file is not None:
         fail("--key-file authenticates the processes of a distributed run: give --hosts or -n")
     if log_dir is not None:

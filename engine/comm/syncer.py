@@ -342,6 +342,17 @@ class Syncer:
             return "stop"
         return "snapshot" if bits & SNAPSHOT_BIT else None
 
+    def state(self) -> bytes:
+        """The plan every worker follows, for a snapshot: a resumed run with the same workers
+        follows it again (the same sums in the same order), whatever its own probe measures.
+        Without the nonce, which is each job's own."""
+        if self.plan is None:
+            return b""
+        plan = pb.Plan()
+        plan.CopyFrom(self.plan)
+        plan.ClearField("nonce")
+        return plan.SerializeToString(deterministic=True)
+
     def close(self) -> None:
         """Finish outstanding rounds, check the replicas agree, say BYE, release the sockets."""
         try:

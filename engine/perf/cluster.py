@@ -167,7 +167,8 @@ def cpu_sampler(period: float = 0.1) -> Sampler:
 def utilisation(cpu: Sampler, start: float, end: float) -> float:
     """Busy share of all CPUs over [start, end]."""
     d = cpu.delta(start, end)
-    return d[0] / d[1] if d and d[1] > 0 else float("nan")
+    # interpolated counters can put busy a rounding error above total: a share is at most 1
+    return min(1.0, max(0.0, d[0] / d[1])) if d and d[1] > 0 else float("nan")
 
 
 def link_sampler(cluster: EmulatedCluster, period: float = 0.1) -> Sampler:

@@ -43,6 +43,8 @@ class JobConfig:
     fusion_ms: float = 5.0
     #: the link to plan for ("10gbit@50us" or a poseidon-link file); None: probe at start-up
     link: str | None = None
+    #: a plan file (or a solverstate) whose plan this run follows instead of planning its own
+    plan: str | None = None
     #: send the lowest waiting layer first (the next forward needs it first)
     priority: bool = True
     #: reduce inside each machine first (two levels) when machines run several workers
@@ -124,7 +126,7 @@ class JobConfig:
 
 
 _STR = ("solver", "hosts", "comm", "wire")
-_OPT_STR = ("snapshot", "stats", "replay", "timeline", "log_dir", "key_file", "link")
+_OPT_STR = ("snapshot", "stats", "replay", "timeline", "log_dir", "key_file", "link", "plan")
 
 
 def _number(value: Any) -> bool:

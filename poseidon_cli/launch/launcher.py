@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -182,7 +183,30 @@ def launch_all(config: JobConfig, entries: list[HostEntry], launch: str) -> None
     if not children:
         raise CommError(f"{config.hosts}: no worker is on this machine; run `poseidon train ... "
                         "--rank N` on each host, or use --launch ssh")
+    check_ports([e for e in entries if is_local(e, local)])
     start_and_supervise(children, config)
+
+
+def check_ports(entries: list[HostEntry]) -> None:
+    """Every port these local workers and their shards will bind is free now: a port another
+    process holds is named before any worker spends seconds building its net. (A port taken
+    after this check is still named, by the worker that cannot bind it.)"""
+    from engine.comm.hosts import port_owner
+    from engine.comm.transport import SHARD, WORKER, peer_name
+
+    for e in entries:
+        for role, port in ((WORKER, e.port), (SHARD, e.shard_port)):
+            s = socket.socket()
+            try:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
+                s.bind(("", port))
+            except OSError as err:
+                owner = port_owner(port)
+                held = f" (held by {owner})" if owner else ""
+                raise CommError(f"{peer_name((role, e.rank), entries)}: cannot bind port "
+                                f"{port}{held}: {err.strerror}") from None
+            finally:
+                s.close()
 
 
 def launch_node(config: JobConfig, node: NodePlacement, nproc: int | None) -> None:

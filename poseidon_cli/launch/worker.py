@@ -42,7 +42,9 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
     from engine import backend, glog
     from engine.comm.auth import job_key
     from engine.comm.bind import describe_net
+    from engine.comm.plan_file import write_plan
     from engine.comm.planner import plan_table
+    from engine.snapshots import describe_os_error, snapshot_base
     from engine.comm.stats import CommStats
     from engine.comm.syncer import Syncer, frame_limit, open_worker
     from engine.context import RunContext
@@ -89,10 +91,24 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
     stats.extra.update(rank=rank, world_size=world, comm=config.comm, wire=config.wire,
                        sparse=config.sparse)
 
+    allow_sfb = solver.param.iter_size == 1
+    # rank 0 plans; a plan to follow is read and checked before anyone waits for it
+    pinned = recorded_plan(config, infos, entries, allow_sfb, gpu is not None, momentum) \
+        if rank == 0 else None
+
     def make_plan(probed: Any, local: Any) -> Any:  # rank 0's: every worker follows it
-        plan = plan_for(solver.net, infos, entries, config, probed, local,
-                        allow_sfb=solver.param.iter_size == 1, on_gpu=gpu is not None,
-                        momentum=momentum)
+        plan, why = pinned or (None, "")
+        if plan is None:
+            plan = plan_for(solver.net, infos, entries, config, probed, local,
+                            allow_sfb=allow_sfb, on_gpu=gpu is not None, momentum=momentum)
+            why = plan.why()
+        glog.info(f"Communication plan for {world} workers: {plan.summary()} ({why})")
+        written = f"{snapshot_base(solver)}_plan.prototxt"
+        try:
+            write_plan(written, plan.to_pb())
+            glog.info(f"Plan written to {written}: `--plan {written}` makes another run follow it")
+        except OSError as e:
+            glog.warning(f"cannot write the plan to {written}: {describe_os_error(e)}")
         glog.info(plan_table(plan, world))
         glog.info(f"The losses and outputs below are rank 0's, over its {total // world} of the "
                   f"{total} images of each iteration")
@@ -171,6 +187,47 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
             if rank == 0:  # the worker and shard of each entry on this machine
                 here = local_addresses()
                 tl.merge(config.timeline, expected=2 * sum(is_local(e, here) for e in entries))
+
+
+def recorded_plan(config: JobConfig, infos: list[Any], entries: list[Any], allow_sfb: bool,
+                  on_gpu: bool, momentum: float) -> tuple[Any, str] | None:
+    """Rank 0's plan to follow, and why, when the run has one: ``--plan``'s (a CommError when it
+    does not fit), else the resumed snapshot's where it fits (where not, one line says why and
+    the run plans anew). None: plan from the link."""
+    from engine import glog
+    from engine.caffe_io import FormatError
+    from engine.comm.plan_file import read_plan
+    from engine.comm.plan_file import recorded_plan as snapshot_plan
+    from engine.comm.planner import PlanMismatch, pin_plan
+    from engine.comm.probe import probe_device
+    from engine.comm.topology import Topology
+
+    source = config.plan or config.snapshot
+    if source is None:
+        return None
+    try:
+        recorded = read_plan(source) if config.plan else snapshot_plan(source)
+    except FormatError as e:
+        if config.plan:
+            raise CommError(f"--plan: {e}") from None
+        glog.warning(f"{e}: planning anew")
+        return None
+    if recorded is None:
+        return None
+    topo = Topology.of(entries, 0)
+    slots = topo.slots if config.levels and topo.two_level else 1
+    try:
+        plan = pin_plan(recorded, infos, len(entries), config.codec, allow_sfb,
+                        probe_device(on_gpu), config.chunk_bytes, slots,
+                        machines=len(topo.machines),
+                        sparse=(config.sparse, config.sparse_warmup, momentum))
+    except PlanMismatch as e:
+        if config.plan:
+            raise CommError(f"--plan {config.plan} does not fit this run: {e}") from None
+        glog.info(f"The plan recorded in {source} does not fit this run ({e}): planning anew")
+        return None
+    return plan, (f"pinned by --plan {source}" if config.plan else
+                  f"recorded in {source}: the resumed run sums as the run that wrote it")
 
 
 def plan_for(net: Any, infos: list[Any], entries: list[Any], config: JobConfig, link: Any,
