@@ -229,7 +229,7 @@ def test_a_slow_worker_gets_its_sum_unchanged(threads):
     try:
         rig.ready()
         assert out.get(timeout=30) == "pushed"
-        deadline = time.monotonic() + 10  # its push is in once the shard lists it
+        deadline = time.monotonic() + 60  # its push is in once the shard lists it (liveness)
         while not any(2 in got for _, got in rig.srv._pending.values()):
             assert time.monotonic() < deadline, "the slow worker's push did not arrive"
             time.sleep(0.01)

@@ -44,7 +44,7 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
     from engine.comm.bind import describe_net
     from engine.comm.plan_file import write_plan
     from engine.comm.planner import plan_table
-    from engine.snapshots import describe_os_error, snapshot_base
+    from engine.snapshots import describe_os_error
     from engine.comm.stats import CommStats
     from engine.comm.syncer import Syncer, frame_limit, open_worker
     from engine.context import RunContext
@@ -103,7 +103,7 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
                             allow_sfb=allow_sfb, on_gpu=gpu is not None, momentum=momentum)
             why = plan.why()
         glog.info(f"Communication plan for {world} workers: {plan.summary()} ({why})")
-        written = f"{snapshot_base(solver)}_plan.prototxt"
+        written = f"{solver.snapshot_prefix()}_plan.prototxt"
         try:
             write_plan(written, plan.to_pb())
             glog.info(f"Plan written to {written}: `--plan {written}` makes another run follow it")
