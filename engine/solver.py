@@ -34,7 +34,7 @@ import numpy as np
 from . import backend, glog, snapshots
 from .context import RunContext
 from .pb import caffe_pb2
-from .perf import timeline
+from . import timeline
 from .solvers import SolverError, check_lr_policy, clip_scale, learning_rate, make_rule, \
     normalize, regularize, solver_type
 

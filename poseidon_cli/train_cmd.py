@@ -9,7 +9,7 @@ import click
 from engine.comm.codecs import CODECS
 from engine.comm.planner import COMM_MODES
 
-from .main import fail, user_errors
+from .console import fail, user_errors
 
 # SIGNAL_ACTIONS: Caffe's -sigint_effect / -sighup_effect values
 from .launch.config import DEFAULT_SHARD_THREADS, SIGNAL_ACTIONS
@@ -236,7 +236,7 @@ def train(solver: str, weights: str | None, snapshot: str | None, gpu: str | Non
                 s.load_weights(w)
             glog.info("Starting Optimization")
             if timeline is not None:
-                from engine.perf import timeline as tl
+                from engine import timeline as tl
                 tl.start(timeline, "train", "rank0")
             with signal_requests(s, effects):
                 s.solve(snapshot)

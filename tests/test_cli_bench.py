@@ -9,7 +9,7 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from engine.perf.link import load_link
+from engine.comm.link import load_link
 from tests.test_cli_caffe_habits import run
 from tests.test_comm_train import digits_db, write_run  # noqa: F401
 

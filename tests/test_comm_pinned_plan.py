@@ -9,7 +9,7 @@ from engine.caffe_io import FormatError, array_to_blob, read_solverstate, write_
 from engine.comm.plan_file import plan_text, read_plan, recorded_plan, write_plan
 from engine.comm.planner import LayerInfo, PlanMismatch, make_plan, pin_plan
 from engine.pb import caffe_pb2
-from engine.perf.link import Link
+from engine.comm.link import Link
 
 CONV = LayerInfo(1, "conv1", [(8, 1, 3, 3), (8,)])
 IP1 = LayerInfo(3, "ip1", [(256, 512), (256,)], factors=(16, 512, 256))

@@ -163,7 +163,7 @@ def test_halving_doubling_takes_two_log_p_steps_where_ring_takes_two_p_minus_two
     """The point of the scheme: 8 workers, one small layer; every worker sends 2·log2(8) = 6
     messages per round (ring: 14), and the planner prices it at ring's price less 8 latencies."""
     from engine.comm.planner import plan_layers
-    from engine.perf.link import Link
+    from engine.comm.link import Link
 
     shapes = {0: [(64,)]}
     for comm, messages in (("hd", 6), ("ring", 14)):

@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from engine.perf import timeline
+from engine import timeline
 
 from .schemes.base import OVERFLOW_BIT
 from .schemes.ps import Chunk

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from engine.pb import poseidon_pb2 as pb
-from engine.perf.link import Link
+from .link import Link
 
 from .codecs import make_codec
 from .fusion import buckets

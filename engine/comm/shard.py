@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from engine.pb import poseidon_pb2 as pb
-from engine.perf import timeline
+from engine import timeline
 
 from .aggregate import AggregationPool, sum_in_rank_order
 from .errors import CommError

@@ -28,8 +28,8 @@ import numpy as np
 
 from engine import backend
 from engine.pb import poseidon_pb2 as pb
-from engine.perf import timeline
-from engine.perf.link import Link
+from engine import timeline
+from .link import Link
 
 from .codecs import Codec, make_codec
 from .errors import CommError

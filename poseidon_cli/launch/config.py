@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.comm.auth import job_key
 from engine.comm.codecs import WIRES
 from engine.comm.errors import CommError
 from engine.comm.planner import split_comm
@@ -18,6 +19,11 @@ from engine.comm.schemes.ps import DEFAULT_CHUNK_BYTES
 from engine.comm.shard import DEFAULT_THREADS as DEFAULT_SHARD_THREADS
 
 SIGNAL_ACTIONS = ("stop", "snapshot", "none")
+
+NO_KEY = ("no job key: every process of a job authenticates its messages with one key. Make "
+          "one with `poseidon keygen job.key`, copy it to every host (mode 600) and give "
+          "--key-file job.key to every rank (or set $POSEIDON_JOB_KEY); a launcher that starts "
+          "all the workers itself (-n, --hosts with local entries, --launch ssh) makes one")
 
 
 @dataclass(frozen=True)
@@ -158,3 +164,11 @@ def _check(name: str, value: Any) -> None:
             value is None or isinstance(value, str)) if name in _OPT_STR else True
     if not ok:
         raise CommError(f"job configuration: field {name!r} has the wrong type: {value!r}")
+
+
+def require_key(config: JobConfig) -> bytes:
+    """The job key (--key-file, else $POSEIDON_JOB_KEY); a CommError saying how to make one."""
+    key = job_key(config.key_file)
+    if key is None:
+        raise CommError(NO_KEY)
+    return key

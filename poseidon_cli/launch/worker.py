@@ -18,29 +18,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# first: importing the CLI's main sets one BLAS thread before NumPy loads (a worker started
-# over ssh does not inherit the launcher's environment)
-from poseidon_cli.main import user_errors  # isort: skip
-
+# (the package poseidon_cli, imported first, sets one BLAS thread before NumPy loads: a worker
+# started over ssh does not inherit the launcher's environment)
 from engine.comm.errors import CommError
 from engine.comm.hosts import HostEntry, is_local, local_addresses, table_json, table_from_json
 
+from ..console import user_errors
 from ..progress import ProgressBar
 from ..signals import signal_requests
-from .config import JobConfig
+from .config import JobConfig, require_key
+from .managers import Placement, detect
 from .relay import ErrorRelay
 from .shard import EXIT_GRACE_S, shard_command, shard_env
-
-NO_KEY = ("no job key: every process of a job authenticates its messages with one key. Make "
-          "one with `poseidon keygen job.key`, copy it to every host (mode 600) and give "
-          "--key-file job.key to every rank (or set $POSEIDON_JOB_KEY); a launcher that starts "
-          "all the workers itself (-n, --hosts with local entries, --launch ssh) makes one")
-
 
 def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int | None) -> None:
     """Train as worker ``rank`` of ``entries`` on ``gpu`` (None: the CPU)."""
     from engine import backend, glog
-    from engine.comm.auth import job_key
     from engine.comm.bind import describe_net
     from engine.comm.plan_file import write_plan
     from engine.comm.planner import plan_table
@@ -48,13 +41,11 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
     from engine.comm.stats import CommStats
     from engine.comm.syncer import Syncer, frame_limit, open_worker
     from engine.context import RunContext
-    from engine.perf.link import LinkError, parse_link
+    from engine.comm.link import LinkError, parse_link
     from engine.solver import Solver
     from engine.solvers import SolverError
 
-    key = job_key(config.key_file)
-    if key is None:
-        raise CommError(NO_KEY)
+    key = require_key(config)
     if config.log_dir is not None:
         Path(config.log_dir).mkdir(parents=True, exist_ok=True)
         glog.add_file(str(Path(config.log_dir) / f"rank{rank}.log"))
@@ -122,7 +113,7 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
         return plan
 
     if config.timeline is not None:
-        from engine.perf import timeline as tl
+        from engine import timeline as tl
         tl.start(config.timeline, f"worker {rank}", f"worker{rank}")
     max_frame = frame_limit(slots, world, config.chunk_bytes)
     shard = subprocess.Popen(shard_command(rank, config.timeout, max_frame, config.shard_threads,
@@ -187,6 +178,31 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
             if rank == 0:  # the worker and shard of each entry on this machine
                 here = local_addresses()
                 tl.merge(config.timeline, expected=2 * sum(is_local(e, here) for e in entries))
+
+
+def run_managed(config: JobConfig, placement: Placement) -> None:
+    """Be the worker a cluster manager started: meet the others at the rendezvous, train."""
+    from .rendezvous import meet
+    from .tables import check_pinned, gpus_of
+
+    key = require_key(config)
+    gpus = config.gpus
+    if config.pin_gpus and gpus is not None and placement.local_size not in (None, len(gpus)):
+        raise CommError(f"{placement.manager} runs {placement.local_size} workers on this "
+                        f"machine, but --gpus {','.join(map(str, gpus))} pins one worker to "
+                        f"each of {len(gpus)} GPUs")
+    entries = meet(placement, key, config.timeout)
+    if placement.rank == 0:
+        from engine import glog
+        from engine.comm.hosts import machines
+        counts = [len(m) for m in machines(entries)]
+        host, port = placement.master or ("?", 0)
+        glog.info(f"Rendezvous ({placement.manager}) at {host}:{port}: "
+                  f"{len(entries)} workers on {len(counts)} machines "
+                  f"({', '.join(map(str, counts))} workers)")
+    if config.pin_gpus and gpus is not None:
+        check_pinned(entries, gpus)
+    run_worker(config, entries, placement.rank, gpus_of(entries, config)[placement.rank])
 
 
 def recorded_plan(config: JobConfig, infos: list[Any], entries: list[Any], allow_sfb: bool,
@@ -268,8 +284,6 @@ def main(argv: list[str] | None = None) -> None:
     with user_errors():
         config = JobConfig.from_json(args.config)
         if args.rank is None:
-            from .launcher import run_managed
-            from .managers import Placement, detect
             placement = detect(os.environ)
             if not isinstance(placement, Placement):
                 raise CommError("a worker without --rank takes its place from a cluster "

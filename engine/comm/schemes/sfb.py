@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from engine import backend
-from engine.perf import timeline
+from engine import timeline
 
 from ..transport import WORKER, Message, PeerId
 from .base import Device, LayerSlot, LayerTiming, Scheme, Unit, arrays_are

@@ -36,12 +36,11 @@ from typing import Any, Callable
 import numpy as np
 
 from engine.comm.auth import KEY_ENV, key_hex, new_key
-
-from .dag import Device, predict
-from .link import Link
-from .netinfo import net_info
-from .netns import EmulatedCluster
-from .trace import Trace, load_trace
+from engine.comm.link import Link
+from engine.perf.dag import Device, predict
+from engine.perf.netinfo import net_info
+from engine.perf.netns import EmulatedCluster
+from engine.perf.trace import Trace, load_trace
 
 PORT = 29500
 #: a measurement whose machine was busier than this is not a cluster measurement
@@ -320,9 +319,9 @@ def run_bench(solver: Path, workers: list[int], schemes: list[str], bits_per_s: 
 def _measured_trace(solver: Path) -> Trace:
     """`--compute real`: this machine's own layer times for the training net, measured now."""
     from engine.solver import Solver
-    from engine.timing import time_net
+    from engine.perf.timing import time_net
 
-    from .trace import trace_from_dict
+    from engine.perf.trace import trace_from_dict
 
     s = Solver(solver)
     try:
