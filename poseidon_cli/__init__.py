@@ -1,9 +1,10 @@
 """Poseidon's command line: `poseidon train | test | time | bench | simulate | convert | data`.
 
-Importing any module of this package first sets one BLAS thread per process, unless the user
-chose otherwise (see ``default_blas_threads``): every entry point (the ``poseidon`` script, a
+Importing any module of this package first sets up the process: one BLAS thread, unless the
+user chose otherwise (see ``default_blas_threads``), and glibc's allocator kept from returning
+big buffers to the kernel (engine/allocator.py). Every entry point (the ``poseidon`` script, a
 worker started as ``python -m poseidon_cli.launch.worker``, a PS shard) comes through here
-before NumPy loads.
+before NumPy loads and before any thread starts.
 """
 from __future__ import annotations
 
@@ -27,3 +28,7 @@ def default_blas_threads() -> None:
 # At import, not in the group's callback: click imports a command's module (which may import
 # NumPy) before that callback runs.
 default_blas_threads()
+
+from engine.allocator import tune_allocator  # noqa: E402  (after the BLAS setting: it loads engine)
+
+tune_allocator()

@@ -31,7 +31,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import zmq
 
-from engine import backend
+from engine.allocator import tune_allocator
 from engine.pb import poseidon_pb2 as pb
 
 from .auth import Signer, Verifier
@@ -160,7 +160,7 @@ class Endpoint:
         #: True when the error came in an ABORT (some other process reports it first-hand)
         self.error_from_peer = False
         self._exit_timer: threading.Timer | None = None
-        backend.tune_allocator()  # before the context's I/O thread allocates messages
+        tune_allocator()  # before the context's I/O thread allocates messages
         self._ctx = zmq.Context()
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()

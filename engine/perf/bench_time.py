@@ -83,7 +83,7 @@ def torch_available() -> bool:
 def blas_in_use() -> str:
     """The BLAS this process calls, its kernel and threads (threadpoolctl), and the CPU
     kernels in use: what an engine time depends on."""
-    from ..layers import compiled
+    from ..kernels import cpu as compiled
     kernels = (f"compiled kernels: numba {compiled.numba.__version__}" if compiled.available()
                else "kernels: NumPy")
     try:
