@@ -303,7 +303,7 @@ class Plan:
             k = self.link
             return (f"auto: the fastest scheme per layer by the cost model, fusion priced in, "
                     f"for a link of {k.bits_per_s / 1e9:.2f} Gbit/s and {k.alpha_s * 1e6:.0f} us "
-                    f"({k.source.split(':')[0]})")
+                    f"({k.source.split(' (')[0]})")
         if mode == "hybrid":
             return "hybrid: SFB where it moves fewer bytes than PS, else PS"
         return f"--comm {mode}: wherever the layer allows it, else PS"

@@ -12,11 +12,12 @@ on its standard input too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 # (the package poseidon_cli, imported first, sets one BLAS thread before NumPy loads: a worker
 # started over ssh does not inherit the launcher's environment)
@@ -24,8 +25,7 @@ from engine.comm.errors import CommError
 from engine.comm.hosts import HostEntry, is_local, local_addresses, table_json, table_from_json
 
 from ..console import user_errors
-from ..progress import ProgressBar
-from ..signals import signal_requests
+from ..training import train_process
 from .config import JobConfig, require_key
 from .managers import Placement, detect
 from .relay import ErrorRelay
@@ -33,49 +33,48 @@ from .shard import EXIT_GRACE_S, shard_command, shard_env
 
 def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int | None) -> None:
     """Train as worker ``rank`` of ``entries`` on ``gpu`` (None: the CPU)."""
-    from engine import backend, glog
-    from engine.comm.bind import describe_net
-    from engine.comm.plan_file import write_plan
-    from engine.comm.planner import plan_table
-    from engine.snapshots import describe_os_error
-    from engine.comm.stats import CommStats
-    from engine.comm.syncer import Syncer, frame_limit, open_worker
+    from engine import glog
     from engine.context import RunContext
-    from engine.comm.link import LinkError, parse_link
-    from engine.solver import Solver
-    from engine.solvers import SolverError
 
     key = require_key(config)
     if config.log_dir is not None:
         Path(config.log_dir).mkdir(parents=True, exist_ok=True)
         glog.add_file(str(Path(config.log_dir) / f"rank{rank}.log"))
     glog.set_enabled(rank == 0)  # the others show only their warnings and errors (as Caffe)
+    here = local_addresses()
+    train_process(config, RunContext(rank=rank, world_size=len(entries)), gpu,
+                  attach=lambda solver: communicator(config, entries, rank, gpu, key, solver),
+                  # rank 0 merges the timeline parts of the worker and shard of each entry here
+                  timeline_parts=2 * sum(is_local(e, here) for e in entries))
+
+
+@contextlib.contextmanager
+def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int | None,
+                 key: bytes, solver: Any) -> Iterator[None]:
+    """A worker's side of the job around its training: its PS shard (a child process), its
+    endpoint, the start-up barrier and the plan, the syncer attached to ``solver``; on the way
+    out, the last updates, the replica check and BYE, the shard's end and the counters."""
+    from engine import glog
+    from engine.comm.bind import describe_net
+    from engine.comm.link import LinkError, parse_link
+    from engine.comm.plan_file import write_plan
+    from engine.comm.planner import plan_table
+    from engine.comm.stats import CommStats
+    from engine.comm.syncer import Syncer, frame_limit, open_worker
+    from engine.snapshots import describe_os_error
+    from engine.solvers import SolverError
+
     world = len(entries)
-    if gpu is not None:
-        backend.use_gpu(gpu)
-    context = RunContext(rank=rank, world_size=world)
-    if config.replay is not None:
-        from engine.perf.replay import make_solver
-        solver = make_solver(config.solver, config.replay, config.time_scale, context=context,
-                             is_root=rank == 0)
-    else:
-        solver = Solver(config.solver, context=context, is_root=rank == 0)
-    if rank == 0:
-        solver.add_callback(ProgressBar())  # drawn only when this worker's stderr is a terminal
-    for w in config.weights:
-        solver.load_weights(w)
     slots, infos = describe_net(solver.net)
     momentum = 0.0  # sparse's momentum correction: the codec keeps the solver's momentum
     if config.sparse and config.momentum_correction:
         try:
             momentum = solver.sync_momentum()
         except SolverError as e:
-            solver.close()
             raise CommError(f"--sparse: {e}; give --no-momentum-correction") from None
     try:
         link = parse_link(config.link) if config.link is not None else None
     except LinkError as e:
-        solver.close()
         raise CommError(f"--link: {e}") from None
     total = solver.images_per_iter()  # the data layers stride over every rank's share
     stats = CommStats()
@@ -112,9 +111,6 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
         stats.extra["link"] = plan.link.as_dict()
         return plan
 
-    if config.timeline is not None:
-        from engine import timeline as tl
-        tl.start(config.timeline, f"worker {rank}", f"worker{rank}")
     max_frame = frame_limit(slots, world, config.chunk_bytes)
     shard = subprocess.Popen(shard_command(rank, config.timeout, max_frame, config.shard_threads,
                                            config.timeline),
@@ -152,32 +148,26 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
                       levels=config.levels, chunk_bytes=config.chunk_bytes,
                       priority=config.priority, on_round_done=report)
         solver.attach_sync(sync, momentum_by_sync=sync.momentum_layers)
-        with signal_requests(solver, config.signal_effects):
-            try:
-                solver.solve(resume_file=config.snapshot)
-            except CommError:
-                raise
-            except Exception as e:  # e.g. a snapshot on a full disk: every rank stops, naming it
-                ep.fatal(f"{ep.name}: {e}")
-                ep.disarm()
-                raise
+        try:
+            yield
+        except CommError:
+            raise
+        except Exception as e:  # e.g. a snapshot on a full disk: every rank stops, naming it
+            ep.fatal(f"{ep.name}: {e}")
+            ep.disarm()
+            raise
         solver.close()  # the last updates, the replica check, BYE; then the shard ends
         shard.wait(timeout=config.timeout)
         if shard.returncode:
             raise CommError(f"shard {rank} ({entries[rank].host}:{entries[rank].shard_port}) "
                             f"exited with code {shard.returncode}")
     finally:
-        solver.close()  # on failure: stop the comm and prefetch threads so the process can exit
+        solver.close()  # on failure: stop the comm threads so the process can exit
         if config.stats is not None and rank == 0:
             stats.write_json(config.stats)
         if shard.poll() is None:
             shard.kill()  # it ignores the polite signals (see shard.py); it holds nothing to save
             shard.wait()
-        if config.timeline is not None:
-            tl.current.save_part()
-            if rank == 0:  # the worker and shard of each entry on this machine
-                here = local_addresses()
-                tl.merge(config.timeline, expected=2 * sum(is_local(e, here) for e in entries))
 
 
 def run_managed(config: JobConfig, placement: Placement) -> None:
