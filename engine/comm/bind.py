@@ -16,7 +16,7 @@ import numpy as np
 from engine.factors import FactorSpec, SufficientFactors
 
 from .planner import LayerInfo
-from .schemes.base import LayerSlot, ParamSlot
+from .units import LayerSlot, ParamSlot
 
 
 def describe_net(net: Any) -> tuple[dict[int, LayerSlot], list[LayerInfo]]:

@@ -97,8 +97,6 @@ def header(kind: int, **fields: object) -> pb.Header:
     return pb.Header(kind=kind, **fields)
 
 
-#: Header.phase of a codec's index vectors (sparse's chunk norms); every other phase is values
-INDEX_PHASE = 1
 
 
 def ipc_address(host: str, port: int) -> str:
@@ -120,7 +118,7 @@ def byte_tag(hdr: pb.Header) -> str | None:
     '<scheme>/index' for a codec's index vectors. None: not counted (control traffic)."""
     if hdr.kind != pb.DATA:
         return None
-    return f"{hdr.scheme}/index" if hdr.phase == INDEX_PHASE else hdr.scheme
+    return f"{hdr.scheme}/index" if hdr.phase == pb.PHASE_INDEX else hdr.scheme
 
 
 class Endpoint:
