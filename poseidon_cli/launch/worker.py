@@ -99,7 +99,8 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
             glog.info(f"Plan written to {written}: `--plan {written}` makes another run follow it")
         except OSError as e:
             glog.warning(f"cannot write the plan to {written}: {describe_os_error(e)}")
-        glog.info(plan_table(plan, world))
+        if config.verbose:
+            glog.info(plan_table(plan, world))
         glog.info(f"The losses and outputs below are rank 0's, over its {total // world} of the "
                   f"{total} images of each iteration")
         stats.extra["plan"] = [{"layer": p.info.name, "index": p.info.layer,
@@ -141,7 +142,8 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
 
         def report(rnd: int) -> None:
             if rank == 0 and display and (rnd + 1) % display == 0:
-                for line in stats.format_lines():
+                lines = stats.format_lines()
+                for line in lines if config.verbose else lines[:1]:
                     glog.info(line)
 
         sync = Syncer(ep, slots, solver.update_layer, planner=make_plan, link=link,
