@@ -308,6 +308,10 @@ class Plan:
             return "hybrid: SFB where it moves fewer bytes than PS, else PS"
         return f"--comm {mode}: wherever the layer allows it, else PS"
 
+    def wire(self) -> str:
+        """How the gradients travel: 'fp32', or the codec's description."""
+        return make_codec(self.codec, self.to_pb()).describe()
+
     def summary(self) -> str:
         """Each unit's layers and scheme, in release order: 'ip2 sfb; conv1+ip1 ring'."""
         names = {p.info.layer: p.info.name for p in self.layers}
@@ -405,7 +409,7 @@ def plan_table(plan: Plan | Sequence[LayerPlan], p1: int) -> str:
     if isinstance(plan, Plan):
         head += (f"; link alpha {plan.link.alpha_s * 1e6:.1f} us, "
                  f"{plan.link.bits_per_s / 1e9:.2f} Gbit/s ({plan.link.source}); "
-                 f"wire {make_codec(plan.codec, plan.to_pb()).describe()}")
+                 f"wire {plan.wire()}")
     rows = [head, "(bytes sent+received per node per iteration; time: release to applied, "
             "alone on the link)",
             f"{'layer':<16} {'shape':<24} {'scheme':<6} {'bytes/iter':>12} {'time':>9} "

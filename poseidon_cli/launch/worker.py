@@ -94,7 +94,9 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
             why = plan.why()
         levels = (f" ({world // plan.slots} machines of {plan.slots}, reducing inside each "
                   "machine first)" if plan.slots > 1 else "")
-        glog.info(f"Communication plan for {world} workers{levels}: {plan.summary()} ({why})")
+        wire = f"; wire {plan.wire()}" if plan.codec != "fp32" else ""
+        glog.info(f"Communication plan for {world} workers{levels}: {plan.summary()} ({why})"
+                  f"{wire}")
         written = f"{solver.snapshot_prefix()}_plan.prototxt"
         try:
             write_plan(written, plan.to_pb())
