@@ -136,6 +136,10 @@ class EmulatedCluster:
         self.procs.append(p)
         return p
 
+    def interface(self, host: int) -> str:
+        """The name of host ``host``'s end of its link, inside its namespace."""
+        return f"{self.tag}n{host}"
+
     def link_bytes(self, host: int) -> tuple[int, int]:
         """(bytes into, bytes out of) host ``host`` so far, as its link's bridge end counts
         them (what crosses the emulated network: headers included, a machine's own traffic
@@ -224,6 +228,18 @@ for _ in range({rounds}):
     t = time.perf_counter(); c.sendall(b"x"); c.recv(1); rtts.append(time.perf_counter() - t)
 print(statistics.median(rtts))
 """
+
+
+def enter_namespace(ns: str) -> None:
+    """Move this process (single-threaded: a fresh child) into network namespace ``ns``;
+    every socket it opens afterwards is in there (os.setns only comes with Python 3.12)."""
+    import ctypes
+
+    clone_newnet = 0x40000000
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    with open(f"/var/run/netns/{ns}") as f:
+        if libc.setns(f.fileno(), clone_newnet) != 0:
+            raise ClusterError(f"cannot enter namespace {ns}: {os.strerror(ctypes.get_errno())}")
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
