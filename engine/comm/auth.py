@@ -28,6 +28,7 @@ It is never on a command line (``ps`` shows those to every user).
 """
 from __future__ import annotations
 
+import functools
 import hmac
 import os
 import stat
@@ -133,11 +134,17 @@ class _SessionKey:
         views = [memoryview(f) for f in frames]  # type: ignore[arg-type]
         lengths = [v.nbytes for v in views]
         big = lengths.index(max(lengths)) if views else -1
-        context = b"".join([_MAGIC, struct.pack(f"<IIIi{len(views)}Q", index, count, len(views),
-                                                big, *lengths),
-                            *(v for k, v in enumerate(views) if k != big)])
-        aad = views[big] if views else b""
-        return self.aead.encrypt(counter.to_bytes(12, "big"), context, aad)[-TAG_BYTES:]
+        parts = [_MAGIC, _context_struct(len(views)).pack(index, count, len(views), big,
+                                                          *lengths)]
+        parts += [v for k, v in enumerate(views) if k != big]
+        return self.aead.encrypt(counter.to_bytes(12, "big"), b"".join(parts),
+                                 views[big] if views else None)[-TAG_BYTES:]
+
+
+@functools.lru_cache(maxsize=None)
+def _context_struct(frames: int) -> struct.Struct:
+    """index, count, frame count, the largest frame's position, every frame's length."""
+    return struct.Struct(f"<IIIi{frames}Q")
 
 
 class Signer:
