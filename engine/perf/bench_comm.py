@@ -220,6 +220,7 @@ def _connect(addr: str, port: int) -> socket.socket:
 def _gloo_init(place: Place, port: int, rank: int) -> Any:
     """torch.distributed over Gloo, rank 0 (the receiver) hosting the rendezvous."""
     os.environ["GLOO_SOCKET_IFNAME"] = place.server_ifname if rank == 0 else place.client_ifname
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # not c10d's notes about hostnames
     import datetime
 
     import torch
@@ -314,7 +315,7 @@ def _through_link(bits_per_s: float, sizes: list[int], budget: int, piece_bytes:
                 theirs.send(f"{type(e).__name__}: {e}")
             theirs.send(None)
 
-        child = ctx.Process(target=measure, daemon=True)
+        child = ctx.Process(target=measure)  # not a daemon: it starts the receiving ends
         child.start()
         rows = []
         try:
