@@ -49,7 +49,7 @@ def parse_sizes(text: str) -> list[int]:
 @click.option("--bandwidth", default=None,
               help="Through one emulated link of this rate (1gbit, 5gbit; needs root: a "
                    "network namespace at each end, tbf both ways) instead of loopback.")
-@click.option("--piece-bytes", default="1M", show_default=True,
+@click.option("--piece-bytes", default="4M", show_default=True,
               help="Messages larger than this are authenticated and sent in pieces of it.")
 @click.option("--gloo/--no-gloo", default=True, show_default=True,
               help="Also run Gloo's point-to-point (torch.distributed, CPU) when PyTorch is "
