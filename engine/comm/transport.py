@@ -6,7 +6,9 @@ a ``poseidon.Header`` protobuf, the arrays are raw C-contiguous bytes sent with 
 
 Every message ends with an authentication trailer (engine/comm/auth.py): a receiver checks it
 before it reads the header, so a process without the job's key can neither change a weight nor
-stop the job; its messages are dropped and counted. Then the receiver thread parses and
+stop the job; its messages are dropped and counted. A message with more array bytes than a
+piece goes as several ZeroMQ messages, tagged, sent and verified one by one, and is released
+only when all of them verified (engine/comm/pieces.py). Then the receiver thread parses and
 validates the message before a byte of it is used (structure here, with Python ints and a cap
 on every size; content — layer, chunk, round, dtype, shape — by the owner's ``checker``). A bad
 message is logged (rate-limited), counted and dropped; nothing a peer sends can end the
