@@ -79,7 +79,7 @@ def comm(sizes: str, repeats: int, workers: str, bandwidth: str | None, piece_by
             from engine.perf.link import parse_bandwidth
             from engine.perf.netns import check_root, cleanup_stale
             bits = parse_bandwidth(bandwidth)
-            check_root()
+            check_root("bench comm --bandwidth")
             cleanup_stale()
     gloo = gloo and gloo_available()
     where = f"one emulated link of {bandwidth} (tbf, network namespaces)" if bits else "loopback"

@@ -66,6 +66,16 @@ def test_the_stage_breakdown_adds_up_to_the_round_trip():
     assert us[-1] == 65.0  # the waiting thread wakes
 
 
+def test_bench_comm_through_a_link_without_root_says_so(monkeypatch):
+    from poseidon_cli.main import cli
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    r = CliRunner().invoke(cli, ["bench", "comm", "--bandwidth", "1gbit"])
+    assert r.exit_code == 1
+    assert r.output.strip().splitlines()[-1] == (
+        "poseidon: error: bench comm --bandwidth needs root (network namespaces); run it with "
+        "sudo")
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None,
                     reason="the emulated link needs root and iproute2")
 def test_bench_comm_through_an_emulated_link(tmp_path):

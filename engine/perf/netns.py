@@ -38,12 +38,13 @@ def _ip(*args: str, netns: str | None = None, check: bool = True) -> subprocess.
     return done
 
 
-def check_root() -> None:
+def check_root(command: str = "bench cluster") -> None:
+    """Root and iproute2 are there, or a ClusterError that names ``command``."""
     if os.geteuid() != 0:
-        raise ClusterError("bench cluster needs root (network namespaces); run it with sudo")
+        raise ClusterError(f"{command} needs root (network namespaces); run it with sudo")
     for tool in ("ip", "tc"):
         if subprocess.run(["which", tool], capture_output=True).returncode != 0:
-            raise ClusterError(f"bench cluster needs the `{tool}` command (iproute2)")
+            raise ClusterError(f"{command} needs the `{tool}` command (iproute2)")
 
 
 def tbf_args(bits_per_s: float) -> list[str]:
