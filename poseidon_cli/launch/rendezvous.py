@@ -134,7 +134,7 @@ class Rendezvous:
         if isinstance(verdict, str):  # not this job's: dropped, as the transport drops it
             self.dropped += 1
             return
-        session = verdict[0]
+        session = verdict.session
         try:
             join = check_join(payload)
         except CommError:
@@ -321,7 +321,7 @@ def _join(p: Placement, key: bytes, timeout: float, addr: str, where: str, me: s
             if len(frames) != 2 or isinstance(verdict := verifier.verify(frames[:1], frames[1]),
                                               str):
                 continue  # not from this job's rank 0: dropped
-            if verifier.accept("rank 0", *verdict) is not None:
+            if verifier.accept("rank 0", verdict.session, verdict.counter) is not None:
                 continue
             answer = _check_answer(frames[0], nonce, where)
             if answer is None:
