@@ -187,3 +187,22 @@ def test_trace_and_link_files_are_checked(tmp_path):
     assert parse_duration("50us") == pytest.approx(50e-6)
     with pytest.raises(LinkError):
         parse_bandwidth("fast")
+
+
+def test_shapes_are_inferred_without_allocating_activations():
+    """VGG-19-22K at batch 4096: its activations and gradients alone are some 600 GB, its
+    parameters 0.9 GB; the facts come from blobs that hold no memory (tracemalloc sees every
+    NumPy allocation, so a single real blob of either kind would show here)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        info = net_info(ROOT / "models" / "vgg19_22k" / "train_val.prototxt", batch=4096)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert info.batch == 4096 and info.total_params == 229_052_817
+    conv1 = info.by_name()["conv1_1"]
+    assert conv1.top_bytes == 4096 * 64 * 224 * 224 * 4  # the shape is still the real one
+    assert dict((i.name, i.factors) for i in info.params if i.factors)["fc6"] == (4096, 25088, 4096)
+    assert peak < 64 << 20, peak  # the prototxt, the layer objects, the plan: not one blob
