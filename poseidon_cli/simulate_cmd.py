@@ -151,7 +151,7 @@ def simulate(model: str, trace_path: str | None, estimate: bool, batch: int | No
     report = {"net": info.name, "batch": info.batch, "params": info.total_params,
               "trace": {"source": trace.source, "device": trace.device},
               "link": link.as_dict(), "predictions": [
-                  {k: v for k, v in p.as_dict().items() if k != "layers"} for p in predictions]}
+                  {k: v for k, v in p.as_dict().items() if k not in ("layers", "link_use")} for p in predictions]}
     if as_json:
         click.echo(json.dumps(report, indent=1))
         return

@@ -240,7 +240,10 @@ def timing(cls: type[Scheme], info: Any, world: int, slots: int, link: Any, loca
     local = local_link.alpha_s + local_link.beta_s_per_byte * share
     adds = share / device.add_bytes_per_s
     update = device.update_s(info.params * info.itemsize)
+    # the network round starts once the machine's reduce-scatter is summed, and the result
+    # is handed to the mates after it; the k owners' parts cross the link at once (ways)
     return LayerTiming(info.name, cls.name, net.bytes_sent, net.bytes_received, net.up_s,
-                       net.down_s, local + adds + net.lag_s, net.tail_s + local,
+                       net.down_s, net.lag_s, net.tail_s + local,
                        net.reduce_s - net.update_s * (not device.update_on_device) + (
-                           0.0 if device.update_on_device else update), update)
+                           0.0 if device.update_on_device else update), update,
+                       start_s=local + adds, ways=slots)

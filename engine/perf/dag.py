@@ -31,7 +31,7 @@ The recurrence of DESIGN.md is the special case of one FIFO link and no reducer 
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -51,7 +51,19 @@ from .trace import Trace
 SCHEMES = tuple(m for m in COMM_MODES if m not in SCHEME_CLASSES or m in NETWORK_SCHEMES)
 ITERATIONS = 6  # simulated; the last period is the steady state
 
-__all__ = ["Device", "LayerTiming", "Prediction", "predict", "sweep", "SCHEMES"]
+__all__ = ["Device", "LayerTiming", "LinkUse", "Prediction", "predict", "sweep", "SCHEMES"]
+
+
+@dataclass(frozen=True)
+class LinkUse:
+    """A span one layer held one side of the busiest node's link (``up``: sending, ``down``:
+    receiving), and the bytes the node's whole link carried for it in that span."""
+    side: str
+    layer: str
+    iteration: int
+    start_s: float
+    end_s: float
+    bytes: float
 
 
 @dataclass
@@ -67,6 +79,8 @@ class Prediction:
     efficiency: float = 1.0
     bytes_per_node: float = 0.0  # sent + received by the busiest node per iteration
     layers: list[LayerTiming] = field(default_factory=list)
+    #: every span of every simulated iteration, in the order the link sides were taken
+    link_use: list[LinkUse] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -136,37 +150,51 @@ def predict(info: NetInfo, trace: Trace, workers: int, scheme: str, link: Link,
                             chunk_bytes=chunk_bytes)
         chunks = _chunk_bytes_by_layer([pl.info for pl in plans if pl.scheme == "ps"],
                                        workers, chunk_bytes)
-        costs = {pl.info.layer: _layer_costs(
-            pl.info, pl.scheme, workers,
-            shared(link, SCHEME_CLASSES[pl.scheme].machine_share(workers, slots)),
-            device, chunks.get(pl.info.layer, []), chunk_bytes) for pl in plans}
+        costs = {}
+        for pl in plans:  # flat workers of one machine share its link (machine_share ways)
+            ways = SCHEME_CLASSES[pl.scheme].machine_share(workers, slots)
+            costs[pl.info.layer] = replace(_layer_costs(
+                pl.info, pl.scheme, workers, shared(link, ways), device,
+                chunks.get(pl.info.layer, []), chunk_bytes), ways=ways)
+    period, use = _run(fwd, bwd, costs, device)
+    bytes_per_node = sum(c.bytes_sent + c.bytes_received for c in costs.values())
+    return Prediction(scheme, workers, batch, period, compute, max(period - compute, 0.0),
+                      workers * batch / period, bytes_per_node=bytes_per_node,
+                      layers=list(costs.values()), link_use=use)
+
+
+def _run(fwd: Sequence[float], bwd: Sequence[float], costs: dict[int, LayerTiming],
+         device: Device) -> tuple[float, list[LinkUse]]:
+    """The steady-state period of ITERATIONS iterations, and the link spans they took."""
     ready = {layer: 0.0 for layer in costs}  # when each layer's update is applied
-    starts = []
+    starts: list[float] = []
+    use: list[LinkUse] = []
     t = 0.0
-    for _ in range(ITERATIONS):
+    for it in range(ITERATIONS):
         for i, f in enumerate(fwd):
             if i in ready:
                 t = max(t, ready[i])
             if i == 0:
                 starts.append(t)
             t += f
+        # the forward waited for every update, so the link and the reducer are free by now
         up_free = down_free = reducer_free = t
         for i in range(len(bwd) - 1, -1, -1):
             t += bwd[i]
-            if i in costs:  # released: on the link in release order, then the reducer
+            if i in costs:  # released: each side of the link a FIFO in release order
                 c = costs[i]
-                up_start = max(up_free, t)
+                up_start = max(up_free, t + c.start_s)
                 up_free = up_start + c.up_s
-                down_free = max(max(down_free, up_start + c.lag_s) + c.down_s, up_free + c.tail_s)
+                down_start = max(down_free, up_start + c.lag_s, up_free + c.tail_s - c.down_s)
+                down_free = down_start + c.down_s
+                use.append(LinkUse("up", c.name, it, up_start, up_free, c.bytes_sent * c.ways))
+                use.append(LinkUse("down", c.name, it, down_start, down_free,
+                                   c.bytes_received * c.ways))
                 reducer_free = max(reducer_free, down_free) + c.reduce_s
                 ready[i] = reducer_free
         if device.update_on_device:  # the updates' kernels take the device's time too
             t += sum(c.update_s for c in costs.values())
-    period = starts[-1] - starts[-2]
-    bytes_per_node = sum(c.bytes_sent + c.bytes_received for c in costs.values())
-    return Prediction(scheme, workers, batch, period, compute, max(period - compute, 0.0),
-                      workers * batch / period, bytes_per_node=bytes_per_node,
-                      layers=list(costs.values()))
+    return starts[-1] - starts[-2], use
 
 
 def sweep(info: NetInfo, trace: Trace, workers: Sequence[int], schemes: Sequence[str],

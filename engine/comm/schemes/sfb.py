@@ -84,8 +84,10 @@ class SFB(Scheme):
         rebuild = 2.0 * machines * slots * k * m * n / device.gemm_flops_per_s
         update = device.update_s(info.params * info.itemsize)
         one_way = link.alpha_s + link.beta_s_per_byte * sent
-        return LayerTiming(info.name, cls.name, sent, recv, one_way, one_way, up, down,
-                           rebuild + (0.0 if device.update_on_device else update), update)
+        # the leader sends once its mates' factors are in, and hands every machine's rows down
+        return LayerTiming(info.name, cls.name, sent, recv, one_way, one_way, 0.0, down,
+                           rebuild + (0.0 if device.update_on_device else update), update,
+                           start_s=up)
 
     # ---------------------------------------------------------------------------- roles
     def _leader(self, unit: Unit, machine: int) -> int:
