@@ -187,3 +187,47 @@ def test_googlenet_ring_on_two_workers_holds_the_link_as_long_as_its_bytes_need(
     assert pred.iteration_s == pytest.approx(want, rel=1e-9)
     # the link is the bottleneck: its 388 ms each way, with backward hiding part of the rest
     assert 0.389 < pred.iteration_s < 0.389 + pred.compute_s
+
+
+# ------------------------------------------------- measured communication (a run's trace)
+def design_recurrence(fwd: list[float], bwd: list[float], comm: list[float]) -> float:
+    """DESIGN.md's DAG model of S-SGD, as written there (layers 1..L bottom first, t_c = 0 for a
+    layer without parameters): tau_b(L) after the forward; tau_b(l) = tau_b(l+1) + t_b(l+1);
+    tau_c(L) = tau_b(L) + t_b(L); tau_c(l) = max(tau_c(l+1) + t_c(l+1), tau_b(l) + t_b(l));
+    iteration = t_f + t_b + tau_c(1) + t_c(1) - (tau_b(1) + t_b(1))."""
+    n = len(fwd)
+    tau_b = [0.0] * n
+    tau_c = [0.0] * n
+    tau_b[n - 1] = sum(fwd)
+    tau_c[n - 1] = tau_b[n - 1] + bwd[n - 1]
+    for l in range(n - 2, -1, -1):
+        tau_b[l] = tau_b[l + 1] + bwd[l + 1]
+        tau_c[l] = max(tau_c[l + 1] + comm[l + 1], tau_b[l] + bwd[l])
+    exposed = tau_c[0] + comm[0] - (tau_b[0] + bwd[0])
+    return sum(fwd) + sum(bwd) + exposed
+
+
+@settings(max_examples=200, deadline=None)
+@given(net=nets(), comm=st.lists(st.floats(0.0, 50.0), min_size=8, max_size=8),
+       workers=st.integers(2, 64))
+def test_measured_communication_is_designs_recurrence(net, comm, workers):
+    """With each layer's measured comm_ms in place of the link model the steady state is
+    DESIGN.md's recurrence, but for the forward of the layers below the first one with
+    parameters (the data layer): the per-layer wait lets them run during the exposed
+    communication, where the recurrence waits for all of it."""
+    from engine.perf.dag import MEASURED
+
+    info, trace = net
+    if not info.params:
+        return
+    has = {i.layer for i in info.params}
+    layers = [LayerTime(l.name, l.type, l.forward_ms, l.backward_ms,
+                        comm[i] if i in has else None) for i, l in enumerate(trace.layers)]
+    measured = Trace("random", 1, layers, workers=workers)
+    got = predict(info, measured, workers, MEASURED, Link(0.0, 1e-9), FREE)
+    fwd = [l.forward_ms / 1e3 for l in layers]
+    bwd = [l.backward_ms / 1e3 for l in layers]
+    want = design_recurrence(fwd, bwd, [(l.comm_ms or 0.0) / 1e3 for l in layers])
+    below = sum(fwd[:min(has)])
+    exposed = want - sum(fwd) - sum(bwd)
+    assert got.iteration_s == pytest.approx(want - min(below, exposed), rel=1e-9, abs=1e-12)

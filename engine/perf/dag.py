@@ -50,8 +50,11 @@ from .trace import Trace
 #: machines (the model's nodes are machines; shm runs inside one)
 SCHEMES = tuple(m for m in COMM_MODES if m not in SCHEME_CLASSES or m in NETWORK_SCHEMES)
 ITERATIONS = 6  # simulated; the last period is the steady state
+#: the "scheme" of a prediction from a trace's measured communication times
+MEASURED = "measured"
 
-__all__ = ["Device", "LayerTiming", "LinkUse", "Prediction", "predict", "sweep", "SCHEMES"]
+__all__ = ["Device", "LayerTiming", "LinkUse", "MEASURED", "Prediction", "predict", "sweep",
+           "SCHEMES"]
 
 
 @dataclass(frozen=True)
@@ -123,13 +126,42 @@ def missing_layers(info: NetInfo, trace: Trace) -> list[str]:
     return [l.name for l in info.layers if l.name not in traced and l.type != "Split"]
 
 
+def measured_costs(info: NetInfo, trace: Trace) -> dict[int, LayerTiming]:
+    """Each layer with parameters holds the network for its measured ``comm_ms`` (a trace of a
+    distributed run) and its update is then there: DESIGN.md's recurrence with measured
+    communication times, no link model, nothing else priced."""
+    traced = trace.by_name()
+    missing = [i.name for i in info.params
+               if i.name not in traced or traced[i.name].comm_ms is None]
+    if missing:
+        raise ValueError(f"the trace measured no comm_ms for layer(s) {', '.join(missing[:5])}"
+                         f"{' ...' if len(missing) > 5 else ''} (every layer with parameters "
+                         "needs one, 0 for a layer fused into another's message)")
+    out = {}
+    for i in info.params:
+        c = traced[i.name].comm_ms / 1e3  # type: ignore[operator]
+        out[i.layer] = LayerTiming(i.name, MEASURED, 0.0, 0.0, c, c, 0.0, 0.0, 0.0)
+    return out
+
+
 def predict(info: NetInfo, trace: Trace, workers: int, scheme: str, link: Link,
             device: Device | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
             slots: int = 1, local_link: Link | None = None, levels: bool = True) -> Prediction:
     """The steady-state iteration of ``workers`` workers synchronising by ``scheme``;
     ``slots`` of them per machine, reducing inside each machine first (``levels``) or each a
-    node of its own sharing its machine's link with its mates."""
-    if scheme not in SCHEMES:
+    node of its own sharing its machine's link with its mates. ``scheme`` MEASURED: the
+    trace's measured communication instead of the link model (``measured_costs``)."""
+    if scheme == MEASURED and workers > 1:
+        if workers != trace.workers:
+            raise ValueError(f"the trace's communication was measured with {trace.workers} "
+                             f"workers, not {workers}")
+        fwd, bwd = _times(info, trace)
+        period, use = _run(fwd, bwd, measured_costs(info, trace), device or Device())
+        compute = sum(fwd) + sum(bwd)
+        return Prediction(scheme, workers, info.batch, period, compute,
+                          max(period - compute, 0.0), _rate(workers * info.batch, period),
+                          link_use=use)
+    if scheme not in SCHEMES and scheme != MEASURED:
         raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
@@ -159,8 +191,12 @@ def predict(info: NetInfo, trace: Trace, workers: int, scheme: str, link: Link,
     period, use = _run(fwd, bwd, costs, device)
     bytes_per_node = sum(c.bytes_sent + c.bytes_received for c in costs.values())
     return Prediction(scheme, workers, batch, period, compute, max(period - compute, 0.0),
-                      workers * batch / period, bytes_per_node=bytes_per_node,
+                      _rate(workers * batch, period), bytes_per_node=bytes_per_node,
                       layers=list(costs.values()), link_use=use)
+
+
+def _rate(images: int, period: float) -> float:
+    return images / period if period > 0 else 0.0  # a net of no time at all
 
 
 def _run(fwd: Sequence[float], bwd: Sequence[float], costs: dict[int, LayerTiming],
