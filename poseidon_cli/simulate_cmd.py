@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from typing import Any, Sequence
 
 import click
@@ -90,6 +91,11 @@ def plot_speedup(predictions: Sequence, path: str, title: str) -> None:
 @click.option("--link", "link_path", type=click.Path(dir_okay=False), default=None,
               help="alpha and beta fitted by `poseidon bench comm --link-out` (replaces "
               "--bandwidth and --latency).")
+@click.option("--unfair", type=click.FloatRange(min=0.0), default=None,
+              help="How unfairly many TCP flows share one side of a link: the slowest of n "
+              "takes 1 + UNFAIR*(1 - 1/n) times its fair share (PS and SFB talk to P-1 peers at "
+              "once). [default: the link file's, else 0.3, measured on the emulated cluster; "
+              "0: fair]")
 @click.option("--scheme", "schemes", default=",".join([*NETWORK_SCHEMES, "hybrid", "auto"]),
               show_default=True,
               help="Schemes to compare.")
@@ -111,13 +117,15 @@ def plot_speedup(predictions: Sequence, path: str, title: str) -> None:
               help="Write speedup against workers as a PNG (needs matplotlib).")
 def simulate(model: str, trace_path: str | None, estimate: bool, batch: int | None,
              input_shape: str | None, workers: str | None, bandwidth: str, latency: str,
-             link_path: str | None, schemes: str, slots: int, local_bandwidth: str,
+             link_path: str | None, unfair: float | None, schemes: str, slots: int,
+             local_bandwidth: str,
              measured_comm: bool, chunk_bytes: int, save_trace: str | None, as_json: bool,
              plot: str | None) -> None:
     """Predict iteration time, exposed communication and speedup per scheme and worker count."""
     from engine.perf.dag import MEASURED, SCHEMES, missing_layers, sweep
     from engine.perf.flops import TITAN_X, trace_from_flops
-    from engine.perf.link import Link, load_link, parse_bandwidth, parse_duration
+    from engine.perf.link import (UNFAIR_MEASURED, Link, load_link, parse_bandwidth,
+                                  parse_duration)
     from engine.perf.netinfo import net_info
     from engine.perf.trace import load_trace
 
@@ -133,7 +141,10 @@ def simulate(model: str, trace_path: str | None, estimate: bool, batch: int | No
                 raise ValueError(f"--scheme {s!r}: choose from {', '.join(SCHEMES)}")
         link = (load_link(link_path) if link_path else
                 Link.from_bandwidth(parse_bandwidth(bandwidth), parse_duration(latency),
-                                    f"{bandwidth}, {latency} per message"))
+                                    f"{bandwidth}, {latency} per message",
+                                    UNFAIR_MEASURED))
+        if unfair is not None:
+            link = replace(link, unfair=unfair)
         info = net_info(model, batch, parse_shape(input_shape))
         trace = trace_from_flops(info, TITAN_X) if estimate else load_trace(trace_path)
         if measured_comm:

@@ -72,14 +72,15 @@ def nets(draw: st.DrawFn) -> tuple[NetInfo, Trace]:
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(net=nets(), scheme=st.sampled_from(SCHEMES), machines=st.integers(2, 9),
        slots=st.sampled_from([1, 1, 2, 4]), levels=st.booleans(),
-       gbit=st.floats(0.1, 100.0), alpha_us=st.floats(0.0, 500.0),
+       gbit=st.floats(0.1, 100.0), alpha_us=st.floats(0.0, 500.0), unfair=st.floats(0.0, 1.0),
        chunk_kb=st.sampled_from([64, 512, 4096, 16384]), device=st.sampled_from([FREE, CPU]))
 def test_no_link_side_is_ever_busier_than_its_bandwidth(net, scheme, machines, slots, levels,
-                                                        gbit, alpha_us, chunk_kb, device):
+                                                        gbit, alpha_us, unfair, chunk_kb,
+                                                        device):
     info, trace = net
     if not info.params:
         return
-    link = Link(alpha_us * 1e-6, 8 / (gbit * 1e9))
+    link = Link(alpha_us * 1e-6, 8 / (gbit * 1e9), unfair=unfair)
     local = Link(20e-6, 8 / (40e9))
     pred = predict(info, trace, machines * slots, scheme, link, device, chunk_kb << 10,
                    slots=slots, local_link=local, levels=levels)
@@ -231,3 +232,29 @@ def test_measured_communication_is_designs_recurrence(net, comm, workers):
     below = sum(fwd[:min(has)])
     exposed = want - sum(fwd) - sum(bwd)
     assert got.iteration_s == pytest.approx(want - min(below, exposed), rel=1e-9, abs=1e-12)
+
+
+def test_many_flows_into_one_host_stretch_ps_and_sfb_not_the_ring():
+    """P flows into one host: each node of a PS pushes to P-1 shards and its shard answers
+    P-1 workers at once (SFB: P-1 peers), and the round ends with the slowest flow, which
+    takes 1 + unfair (1 - 1/(P-1)) times its fair share; a ring's node has one flow each way.
+    Two levels: a machine's k owners' flows share its link, so even a ring of 2 machines is
+    stretched by k flows."""
+    fc = LayerInfo(1, "fc", [(4096, 4096)], factors=(32, 4096, 4096))
+    info = NetInfo("fc", 32, [LayerFacts(0, "data", "Input", 0, 0, 0),
+                              LayerFacts(1, "fc", "InnerProduct", 0, 0, 0)], [fc])
+    trace = Trace("fc", 32, [LayerTime("data", "Input", 0, 0), LayerTime("fc", "X", 0, 0)])
+    fair, unfair = Link(0.0, 1e-9), Link(0.0, 1e-9, unfair=0.3)
+
+    def comm(scheme: str, link: Link, p: int = 8, slots: int = 1) -> float:
+        [t] = predict(info, trace, p, scheme, link, FREE, chunk_bytes=1 << 30,
+                      slots=slots).layers
+        return t.up_s  # no latency: the span is the bytes' time
+
+    stretch = 1 + 0.3 * (1 - 1 / 7)
+    for scheme in ("ps", "sfb"):
+        assert comm(scheme, unfair) == pytest.approx(stretch * comm(scheme, fair), rel=1e-9)
+    assert comm("ring", unfair) == comm("ring", fair)
+    assert comm("ring", unfair, 8, 4) == pytest.approx((1 + 0.3 * (1 - 1 / 4))
+                                                       * comm("ring", fair, 8, 4), rel=1e-9)
+    check_link(predict(info, trace, 8, "ps", unfair, FREE), unfair.beta_s_per_byte)

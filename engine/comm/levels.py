@@ -19,6 +19,7 @@ every scheme and has no branch of its own.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -216,9 +217,10 @@ class Levels(DenseScheme):
         self.inner.close()
 
 
-def shared(link: Any, ways: int) -> Any:
-    """``link`` as each of ``ways`` flows through it at once sees it."""
-    return type(link)(link.alpha_s, link.beta_s_per_byte * ways, f"{link.source} / {ways}")
+def shared(link: Any, ways: float) -> Any:
+    """``link`` as each of ``ways`` nodes' flows through it at once sees it."""
+    return replace(link, beta_s_per_byte=link.beta_s_per_byte * ways,
+                   source=f"{link.source} / {ways:g}", flows=link.flows * ways)
 
 
 def timing(cls: type[Scheme], info: Any, world: int, slots: int, link: Any, local_link: Any,

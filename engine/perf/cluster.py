@@ -38,7 +38,7 @@ import numpy as np
 from engine.comm.auth import KEY_ENV, key_hex, new_key
 
 from .dag import Device, predict
-from .link import Link
+from .link import UNFAIR_MEASURED, Link
 from .netinfo import net_info
 from .netns import EmulatedCluster
 from .trace import Trace, load_trace
@@ -235,7 +235,7 @@ def measure(solver: Path, workers: int, scheme: str, bits_per_s: float, compute:
         with EmulatedCluster(workers // slots, bits_per_s / scale) as cluster, \
                 cpu_sampler() as cpu, link_sampler(cluster) as wire:
             link = Link(cluster.measure_latency(50), 8.0 / cluster.measure_goodput(),
-                        "emulated link, measured")
+                        "emulated link, measured", UNFAIR_MEASURED)
             hosts = out / "hosts.txt"
             hosts.write_text("".join(f"{a}:{PORT} slots={slots}\n" for a in cluster.addresses))
             procs = []

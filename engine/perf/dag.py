@@ -36,8 +36,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from engine.comm.levels import shared
-from engine.comm.planner import COMM_MODES, LayerInfo, plan_layers
+from engine.comm.levels import shared, timing as level_timing
+from engine.comm.planner import COMM_MODES, DEFAULT_LOCAL_LINK, LayerInfo, plan_layers
 from engine.comm.schemes import NETWORK_SCHEMES, SCHEMES as SCHEME_CLASSES
 from engine.comm.schemes.base import Device, LayerTiming
 from engine.comm.schemes.ps import DEFAULT_CHUNK_BYTES, PSParam, make_layout
@@ -50,6 +50,8 @@ from .trace import Trace
 #: machines (the model's nodes are machines; shm runs inside one)
 SCHEMES = tuple(m for m in COMM_MODES if m not in SCHEME_CLASSES or m in NETWORK_SCHEMES)
 ITERATIONS = 6  # simulated; the last period is the steady state
+#: the bytes of a gradient value on the wire: fp32, as the planner prices dense schemes
+WIRE_ITEMSIZE = 4
 #: the "scheme" of a prediction from a trace's measured communication times
 MEASURED = "measured"
 
@@ -173,12 +175,21 @@ def predict(info: NetInfo, trace: Trace, workers: int, scheme: str, link: Link,
         update = sum(device.update_s(i.params * i.itemsize) for i in info.params)
         it = compute + update
         return Prediction(scheme, 1, batch, it, compute, 0.0, batch / it if it else 0.0)
+    # the plan is the planner's, who sees the link as its probe does (fair shares); the
+    # layers are priced on the link as it is
+    planned = replace(link, unfair=0.0)
     if slots > 1 and workers > slots and levels:  # each scheme's two-level cost
-        plans = plan_layers(info.params, workers, comm=scheme, link=link, device=device,
+        local_link = local_link or DEFAULT_LOCAL_LINK
+        plans = plan_layers(info.params, workers, comm=scheme, link=planned, device=device,
                             chunk_bytes=chunk_bytes, slots=slots, local_link=local_link)
-        costs = {pl.info.layer: pl.timings[pl.scheme] for pl in plans}
+        costs = {}
+        for pl in plans:
+            cls = SCHEME_CLASSES[pl.scheme]
+            costs[pl.info.layer] = level_timing(
+                cls, pl.info, workers, slots, link, local_link, device, chunk_bytes,
+                WIRE_ITEMSIZE if cls.dense else pl.info.itemsize)
     else:
-        plans = plan_layers(info.params, workers, comm=scheme, link=link, device=device,
+        plans = plan_layers(info.params, workers, comm=scheme, link=planned, device=device,
                             chunk_bytes=chunk_bytes)
         chunks = _chunk_bytes_by_layer([pl.info for pl in plans if pl.scheme == "ps"],
                                        workers, chunk_bytes)

@@ -150,8 +150,8 @@ class HalvingDoubling(DenseScheme):
         # The partners of a step swap the same bytes at once, so both sides of the link are
         # held from the first step to the last: the gaps of the adds are the layer's, not
         # another layer's (the next layer's bytes would otherwise share the link with its steps)
-        chain = sum(link.alpha_s + link.beta_s_per_byte * s + (s / device.add_bytes_per_s
-                                                               if adds else 0.0)
+        beta = link.beta_s_per_byte * link.slowdown(1)  # one partner at a time
+        chain = sum(link.alpha_s + beta * s + (s / device.add_bytes_per_s if adds else 0.0)
                     for s, adds in hops)
         update = device.update_s(info.params * info.itemsize)
         return LayerTiming(info.name, cls.name, moved, moved, chain, chain, 0.0, 0.0,

@@ -178,14 +178,17 @@ class PS(DenseScheme):
         busiest = max(range(p), key=lambda n: (max(sent[n], recv[n]), adds[n]))
         largest = max((b for b, _ in chunks), default=0)
         update = device.update_s(info.params * info.itemsize)
-        # a chunk's sum leaves its shard once the P pushes are in and added: the answers trail
-        # the pushes by one chunk's transfer and addition, at the start and at the end
+        # a node pushes to P-1 shards and its shard answers P-1 workers at once: a chunk's sum
+        # leaves once the slowest push of it is in and every worker's round ends with the
+        # slowest answer, so the many flows' unfair shares stretch both sides (Link.slowdown)
+        beta = link.beta_s_per_byte * link.slowdown(p - 1)
+        # the answers trail the pushes by one chunk's transfer and addition, at the start and
+        # at the end
         add = (p - 1) * largest / device.add_bytes_per_s
         return LayerTiming(info.name, cls.name, sent[busiest], recv[busiest],
-                           link.alpha_s + link.beta_s_per_byte * sent[busiest],
-                           link.alpha_s + link.beta_s_per_byte * recv[busiest],
-                           link.alpha_s + link.beta_s_per_byte * largest + add,
-                           link.beta_s_per_byte * largest + add,
+                           link.alpha_s + beta * sent[busiest],
+                           link.alpha_s + beta * recv[busiest],
+                           link.alpha_s + beta * largest + add, beta * largest + add,
                            0.0 if device.update_on_device else update, update)
 
     def sum_vector(self, unit: Unit, rnd: int, phase: int, vec: np.ndarray, bits: int,

@@ -85,10 +85,12 @@ class Ring(DenseScheme):
         # reduce-scatter its addition), so the last step starts that chain in at the earliest
         # and then sends its whole segment; a large layer is bandwidth-bound, the sub-chunks
         # of each step pipelining behind the first, and the latency counts once per step.
-        hop = link.alpha_s + link.beta_s_per_byte * sub
+        # one flow each way per node (a machine's owners' rings share its link: Link.flows)
+        beta = link.beta_s_per_byte * link.slowdown(1)
+        hop = link.alpha_s + beta * sub
         chain = (steps - 1) * hop + (world - 1) * sub / device.add_bytes_per_s
-        busy = link.beta_s_per_byte * moved + steps * link.alpha_s
-        span = max(busy, chain + link.alpha_s + link.beta_s_per_byte * seg)
+        busy = beta * moved + steps * link.alpha_s
+        span = max(busy, chain + link.alpha_s + beta * seg)
         update = device.update_s(info.params * info.itemsize)
         # the progress thread's additions are also priced after the round, as if they did not
         # overlap the transfers: the planner's choices between ring and PS rest on it
