@@ -104,12 +104,23 @@ def _chunk_bytes_by_layer(params: Sequence[LayerInfo], p: int, chunk_bytes: int
     return out
 
 
+def _busiest_node(chunks: dict[int, list[tuple[int, int]]], p: int) -> int:
+    """The node whose link carries the most of the PS table (each side): its shard takes
+    P-1 pushes and sends P-1 sums of each of its chunks, its worker one of each other chunk."""
+    load = [0.0] * p
+    for layer in chunks.values():
+        for nbytes, shard in layer:
+            for node in range(p):
+                load[node] += (p - 1) * nbytes if node == shard else nbytes
+    return max(range(p), key=lambda n: load[n])
+
+
 def _layer_costs(info: LayerInfo, scheme: str, p: int, link: Link, device: Device,
-                 chunks: list[tuple[int, int]], chunk_bytes: int) -> LayerTiming:
+                 chunks: list[tuple[int, int]], chunk_bytes: int, node: int) -> LayerTiming:
     """Link time and progress-thread time of one layer on the busiest node."""
-    if scheme == "ps":  # the job's whole table decides which node is busiest
+    if scheme == "ps":  # one node's link for every layer: the job's whole table's busiest
         return SCHEME_CLASSES["ps"].timing(info, p, link, device, chunk_bytes, info.itemsize,
-                                           chunks=chunks)
+                                           chunks=chunks, node=node)
     return SCHEME_CLASSES[scheme].timing(info, p, link, device, chunk_bytes, info.itemsize)
 
 
@@ -193,12 +204,13 @@ def predict(info: NetInfo, trace: Trace, workers: int, scheme: str, link: Link,
                             chunk_bytes=chunk_bytes)
         chunks = _chunk_bytes_by_layer([pl.info for pl in plans if pl.scheme == "ps"],
                                        workers, chunk_bytes)
+        node = _busiest_node(chunks, workers)
         costs = {}
         for pl in plans:  # flat workers of one machine share its link (machine_share ways)
             ways = SCHEME_CLASSES[pl.scheme].machine_share(workers, slots)
             costs[pl.info.layer] = replace(_layer_costs(
                 pl.info, pl.scheme, workers, shared(link, ways), device,
-                chunks.get(pl.info.layer, []), chunk_bytes), ways=ways)
+                chunks.get(pl.info.layer, []), chunk_bytes, node), ways=ways)
     period, use = _run(fwd, bwd, costs, device)
     bytes_per_node = sum(c.bytes_sent + c.bytes_received for c in costs.values())
     return Prediction(scheme, workers, batch, period, compute, max(period - compute, 0.0),

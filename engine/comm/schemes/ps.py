@@ -157,9 +157,11 @@ class PS(DenseScheme):
 
     @classmethod
     def timing(cls, info: Any, world: int, link: Any, device: Device, chunk_bytes: int,
-               wire_itemsize: int, chunks: list[tuple[int, int]] | None = None) -> LayerTiming:
+               wire_itemsize: int, chunks: list[tuple[int, int]] | None = None,
+               node: int | None = None) -> LayerTiming:
         """``chunks``: [(bytes, shard)] of the layer in the job's whole table; None: the layer's
-        own chunks spread over the shards by themselves."""
+        own chunks spread over the shards by themselves. ``node``: the node whose link is
+        priced (the job's busiest over all its layers); None: this layer's busiest."""
         if chunks is None:
             table = make_layout([PSParam(0, info.layer, info.params, f"<f{wire_itemsize}")],
                                 world, chunk_bytes)
@@ -167,15 +169,16 @@ class PS(DenseScheme):
         p = world
         sent, recv, adds = [0.0] * p, [0.0] * p, [0.0] * p
         for nbytes, shard in chunks:
-            for node in range(p):
-                if node == shard:  # its shard takes P-1 remote pushes and sends P-1 sums
-                    sent[node] += (p - 1) * nbytes
-                    recv[node] += (p - 1) * nbytes
-                    adds[node] += (p - 1) * nbytes
-                else:              # its worker pushes the chunk and gets the sum back
-                    sent[node] += nbytes
-                    recv[node] += nbytes
-        busiest = max(range(p), key=lambda n: (max(sent[n], recv[n]), adds[n]))
+            for n in range(p):
+                if n == shard:  # its shard takes P-1 remote pushes and sends P-1 sums
+                    sent[n] += (p - 1) * nbytes
+                    recv[n] += (p - 1) * nbytes
+                    adds[n] += (p - 1) * nbytes
+                else:           # its worker pushes the chunk and gets the sum back
+                    sent[n] += nbytes
+                    recv[n] += nbytes
+        busiest = node if node is not None else max(
+            range(p), key=lambda n: (max(sent[n], recv[n]), adds[n]))
         largest = max((b for b, _ in chunks), default=0)
         update = device.update_s(info.params * info.itemsize)
         # a node pushes to P-1 shards and its shard answers P-1 workers at once: a chunk's sum
