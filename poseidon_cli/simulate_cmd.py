@@ -94,7 +94,7 @@ def plot_speedup(predictions: Sequence, path: str, title: str) -> None:
 @click.option("--unfair", type=click.FloatRange(min=0.0), default=None,
               help="How unfairly many TCP flows share one side of a link: the slowest of n "
               "takes 1 + UNFAIR*(1 - 1/n) times its fair share (PS and SFB talk to P-1 peers at "
-              "once). [default: the link file's, else 0.3, measured on the emulated cluster; "
+              "once). [default: the link file's, else 0.25, measured on the emulated cluster; "
               "0: fair]")
 @click.option("--scheme", "schemes", default=",".join([*NETWORK_SCHEMES, "hybrid", "auto"]),
               show_default=True,
