@@ -11,7 +11,7 @@ import pytest
 from engine.comm.planner import LayerInfo, cost_ps_node, cost_sfb
 from engine.perf.dag import Device, predict, sweep
 from engine.perf.flops import TITAN_X, trace_from_flops
-from engine.perf.link import Link, LinkError, parse_bandwidth, parse_duration
+from engine.perf.link import Link, LinkError, load_link, parse_bandwidth, parse_duration
 from engine.perf.netinfo import LayerFacts, NetInfo, net_info
 from engine.perf.trace import LayerTime, Trace, TraceError, load_trace
 from tests.conftest import ROOT
@@ -183,6 +183,13 @@ def test_trace_and_link_files_are_checked(tmp_path):
     back = load_trace(tmp_path / "ok.json")
     assert back.layers == t.layers and back.batch == 4 and json.loads(
         (tmp_path / "ok.json").read_text())["version"] == 1
+    link = Link(1e-4, 1e-9, "fitted", unfair=0.2)
+    link.save(tmp_path / "link.json")
+    assert load_link(tmp_path / "link.json") == link
+    bad.write_text('{"format": "poseidon-link", "version": 1, "alpha_s": 0, '
+                   '"beta_s_per_byte": 1e-9, "unfair": -1}')
+    with pytest.raises(LinkError, match="unfair must be >= 0"):
+        load_link(bad)
     assert parse_bandwidth("10GbE") == parse_bandwidth("10gbit") == 1e10
     assert parse_bandwidth("1.25GB/s") == 1e10
     assert parse_duration("50us") == pytest.approx(50e-6)

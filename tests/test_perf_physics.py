@@ -236,7 +236,7 @@ def test_measured_communication_is_designs_recurrence(net, comm, workers):
 
 def test_many_flows_into_one_host_stretch_ps_and_sfb_not_the_ring():
     """P flows into one host: each node of a PS pushes to P-1 shards and its shard answers
-    P-1 workers at once (SFB: P-1 peers), and the round ends with the slowest flow, which
+    P-1 workers (SFB: P-1 peers), and the round ends with the slowest of the P-1 flows, which
     takes 1 + unfair (1 - 1/(P-1)) times its fair share; a ring's node has one flow each way.
     Two levels: a machine's k owners' flows share its link, so even a ring of 2 machines is
     stretched by k flows."""

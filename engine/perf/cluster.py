@@ -46,7 +46,7 @@ from .trace import Trace, load_trace
 PORT = 29500
 #: a measurement whose machine was busier than this is not a cluster measurement
 CPU_SATURATED = 0.85
-_ITER_LINE = re.compile(r"^I\d{4} (\d{2}:\d{2}:\d{2}\.\d{6}) .*\] Iteration (\d+) \(")
+_ITER_LINE = re.compile(r"^I(\d{2})(\d{2}) (\d{2}:\d{2}:\d{2}\.\d{6}) .*\] Iteration (\d+) \(")
 
 
 class BenchError(RuntimeError):
@@ -176,14 +176,18 @@ def link_sampler(cluster: EmulatedCluster, period: float = 0.1) -> Sampler:
 
 
 def iteration_times(log: str) -> dict[int, float]:
-    """Iteration -> wall time (epoch seconds) of rank 0's 'Iteration N (' lines (today)."""
+    """Iteration -> wall time (epoch seconds) of rank 0's 'Iteration N (' lines, dated by
+    their glog month and day (a run may cross midnight; the year is this one's, or the last
+    one's for a December line read in January)."""
     today = dt.date.today()
     out = {}
     for line in log.splitlines():
         m = _ITER_LINE.match(line)
         if m:
-            t = dt.datetime.combine(today, dt.time.fromisoformat(m.group(1)))
-            out[int(m.group(2))] = t.timestamp()
+            month, day = int(m.group(1)), int(m.group(2))
+            year = today.year - (month > today.month)
+            t = dt.datetime.combine(dt.date(year, month, day), dt.time.fromisoformat(m.group(3)))
+            out[int(m.group(4))] = t.timestamp()
     return out
 
 

@@ -6,20 +6,23 @@ An event simulation of one worker's iterations, with the resources the real comm
 - the training thread runs forward layer by layer; before a layer with parameters it waits for
   that layer's update of the previous iteration (the per-layer wait), then backward top-down;
   the moment a layer's backward ends its gradient is released (wait-free backpropagation);
-- the node's link moves released layers in release order, one after the other (one sender
-  thread, one socket per peer). A link is full duplex and each direction is shaped on its own,
-  so a layer occupies it for ``alpha`` per message round plus ``beta`` times the larger of the
-  bytes the node sends and receives for it;
-  * PS: the real chunk layout (``ps.make_layout``) says which node's shard holds each chunk.
-    A node sends its pushes to the remote shards and its own shard's sums to the P-1 remote
-    workers, and receives the mirror image; the busiest node sets the pace (all wait for it).
-    A sum can only leave once the last push of its chunk arrived and the shard added the P
-    pushes, so one chunk's push and addition are not overlapped;
+- the busiest node's link: each side (sending, receiving) is a FIFO that moves released layers
+  in release order, one at a time. A layer holds a side for a span of at least the bytes the
+  link carries for it times beta, so no side is ever busier than its bandwidth (LinkUse records
+  every span; tests/test_perf_physics.py checks it over random nets, schemes and links). Each
+  scheme's ``timing`` (engine/comm/schemes) gives the spans, as the planner sees them:
+  * PS: the real chunk layout (``ps.make_layout``) says which node's shard holds each chunk;
+    the node whose link carries the most of the whole table is priced for every layer. It
+    sends its pushes to the remote shards and its shard's sums to the P-1 remote workers, and
+    receives the mirror image. A sum leaves once the slowest push of its chunk is in, and
+    many flows through one side share it unfairly (``Link.slowdown``);
   * SFB: a node sends its factors u (K x N) and v (K x M) to P-1 peers and receives theirs;
-  * ring: 2(P-1) steps of 1/P of the layer each way, pipelined in sub-chunks;
+  * ring: 2(P-1) steps of 1/P of the layer each way, pipelined in sub-chunks: both sides are
+    held from the first step to the last, the latency paid once per step;
   * hd: 2·log2(P) steps of halves, quarters, ... of the layer, each waiting for the one
     before (a folded pair's whole vector before and after when P is not a power of two);
-  each scheme's ``timing`` (engine/comm/schemes) prices a layer, as the planner does;
+  * two levels: the network round starts after the machine's reduce-scatter, and a
+    machine's k owners' flows share its link;
 - one progress thread rebuilds SFB gradients (one GEMM of P·K·M·N multiply-adds), adds ring
   segments, writes the mean gradient and runs the solver update of the layer; then that
   layer's next forward may start.
@@ -27,7 +30,8 @@ An event simulation of one worker's iterations, with the resources the real comm
 One worker (P = 1) runs Caffe's plain loop: forward, backward, then every update. The
 iteration time is the steady-state period (the last of several simulated iterations), so the
 overlap of one iteration's communication with the next one's forward is counted.
-The recurrence of DESIGN.md is the special case of one FIFO link and no reducer cost.
+With a trace's measured communication (``MEASURED``: each layer holds the network for its
+measured ``comm_ms``) this is DESIGN.md's recurrence of one FIFO, with no link model at all.
 """
 from __future__ import annotations
 
