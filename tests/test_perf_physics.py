@@ -238,8 +238,9 @@ def test_many_flows_into_one_host_stretch_ps_and_sfb_not_the_ring():
     """P flows into one host: each node of a PS pushes to P-1 shards and its shard answers
     P-1 workers (SFB: P-1 peers), and the round ends with the slowest of the P-1 flows, which
     takes 1 + unfair (1 - 1/(P-1)) times its fair share; a ring's node has one flow each way.
-    Two levels: a machine's k owners' flows share its link, so even a ring of 2 machines is
-    stretched by k flows."""
+    Two levels: a machine's k owners all talk to the same other machines, and flows between
+    the same two hosts share the path fairly (measured: 2 x 4 PS, model within 3% with fair
+    shares, 18% over with 4 unfair flows): only the other machines count."""
     fc = LayerInfo(1, "fc", [(4096, 4096)], factors=(32, 4096, 4096))
     info = NetInfo("fc", 32, [LayerFacts(0, "data", "Input", 0, 0, 0),
                               LayerFacts(1, "fc", "InnerProduct", 0, 0, 0)], [fc])
@@ -255,6 +256,8 @@ def test_many_flows_into_one_host_stretch_ps_and_sfb_not_the_ring():
     for scheme in ("ps", "sfb"):
         assert comm(scheme, unfair) == pytest.approx(stretch * comm(scheme, fair), rel=1e-9)
     assert comm("ring", unfair) == comm("ring", fair)
-    assert comm("ring", unfair, 8, 4) == pytest.approx((1 + 0.3 * (1 - 1 / 4))
-                                                       * comm("ring", fair, 8, 4), rel=1e-9)
+    assert comm("ring", unfair, 8, 4) == comm("ring", fair, 8, 4)
+    assert comm("ps", unfair, 8, 4) == comm("ps", fair, 8, 4)  # 2 machines: one peer host
+    assert comm("ps", unfair, 12, 4) == pytest.approx((1 + 0.3 * (1 - 1 / 2))
+                                                      * comm("ps", fair, 12, 4), rel=1e-9)
     check_link(predict(info, trace, 8, "ps", unfair, FREE), unfair.beta_s_per_byte)

@@ -220,7 +220,7 @@ class Levels(DenseScheme):
 def shared(link: Any, ways: float) -> Any:
     """``link`` as each of ``ways`` nodes' flows through it at once sees it."""
     return replace(link, beta_s_per_byte=link.beta_s_per_byte * ways,
-                   source=f"{link.source} / {ways:g}", flows=link.flows * ways)
+                   source=f"{link.source} / {ways:g}")
 
 
 def timing(cls: type[Scheme], info: Any, world: int, slots: int, link: Any, local_link: Any,

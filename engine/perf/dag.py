@@ -22,7 +22,7 @@ An event simulation of one worker's iterations, with the resources the real comm
   * hd: 2·log2(P) steps of halves, quarters, ... of the layer, each waiting for the one
     before (a folded pair's whole vector before and after when P is not a power of two);
   * two levels: the network round starts after the machine's reduce-scatter, and a
-    machine's k owners' flows share its link;
+    machine's k owners talk to the same other machines (their flows share a path fairly);
 - one progress thread rebuilds SFB gradients (one GEMM of P·K·M·N multiply-adds), adds ring
   segments, writes the mean gradient and runs the solver update of the layer; then that
   layer's next forward may start.
@@ -209,6 +209,8 @@ def predict(info: NetInfo, trace: Trace, workers: int, scheme: str, link: Link,
         chunks = _chunk_bytes_by_layer([pl.info for pl in plans if pl.scheme == "ps"],
                                        workers, chunk_bytes)
         node = _busiest_node(chunks, workers)
+        if slots > 1:  # flat workers of a machine: their P-1 peers are on M-1 other machines
+            link = replace(link, peers_per_host=(workers - 1) / max(workers // slots - 1, 1))
         costs = {}
         for pl in plans:  # flat workers of one machine share its link (machine_share ways)
             ways = SCHEME_CLASSES[pl.scheme].machine_share(workers, slots)

@@ -48,14 +48,17 @@ class Link:
     source: str = ""
     #: 0: flows sharing a side share it fairly; else see ``slowdown``
     unfair: float = 0.0
-    #: how many nodes' flows of one kind cross it at once (a machine's workers, ``shared``)
-    flows: float = 1.0
+    #: how many of a node's peers are on one host (flat workers of a machine): flows between
+    #: the same two hosts take the same path and share it fairly
+    peers_per_host: float = 1.0
 
-    def slowdown(self, per_node: float) -> float:
-        """How many times its fair share of the time the slowest of the flows through one
-        side takes, when each node here has ``per_node`` flows at once on it (PS and SFB: one
-        per peer; ring and hd: one): ``1 + unfair * (1 - 1/n)`` for n flows in all."""
-        n = per_node * self.flows
+    def slowdown(self, peers: float) -> float:
+        """How many times its fair share of the time the slowest flow through one side takes
+        when a node talks to ``peers`` peers at once (PS and SFB: P-1; ring and hd: 1):
+        flows from n different hosts share it unfairly, ``1 + unfair * (1 - 1/n)`` (measured:
+        UNFAIR_MEASURED); flows between the same two hosts fairly (two levels: a machine's
+        owners all talk to the same other machines)."""
+        n = peers / self.peers_per_host
         return 1.0 + self.unfair * (1.0 - 1.0 / n) if n > 1 else 1.0
 
     def time(self, nbytes: float) -> float:

@@ -85,8 +85,7 @@ class Ring(DenseScheme):
         # reduce-scatter its addition), so the last step starts that chain in at the earliest
         # and then sends its whole segment; a large layer is bandwidth-bound, the sub-chunks
         # of each step pipelining behind the first, and the latency counts once per step.
-        # one flow each way per node (a machine's owners' rings share its link: Link.flows)
-        beta = link.beta_s_per_byte * link.slowdown(1)
+        beta = link.beta_s_per_byte * link.slowdown(1)  # one peer each way
         hop = link.alpha_s + beta * sub
         chain = (steps - 1) * hop + (world - 1) * sub / device.add_bytes_per_s
         busy = beta * moved + steps * link.alpha_s
