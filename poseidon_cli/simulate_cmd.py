@@ -3,7 +3,9 @@
 Per-layer times (a trace, `poseidon time --json`, or an estimate from the net's FLOPs), the
 net's shapes, a link (bandwidth and latency, or the alpha and beta `poseidon bench comm`
 fitted), and the DAG model of engine/perf/dag.py give, per scheme and number of workers, the
-iteration time, the communication left exposed, images/s, speedup and efficiency.
+iteration time, the communication left exposed, images/s, speedup and efficiency. With
+``--measured-comm`` a distributed run's trace gives each layer's communication time instead of
+the link model, and its measured iteration is printed beside the recurrence's.
 """
 from __future__ import annotations
 
