@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from engine.comm.planner import LayerInfo
 from engine.perf.dag import SCHEMES, Device, Prediction, predict
-from engine.perf.link import Link
+from engine.comm.link import Link
 from engine.perf.netinfo import LayerFacts, NetInfo, net_info
 from engine.perf.trace import LayerTime, Trace, load_trace
 from tests.conftest import ROOT

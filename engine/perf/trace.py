@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.jsonfile import read_json
+
 FORMAT = "poseidon-layer-trace"
 VERSION = 1
 
@@ -143,17 +145,6 @@ def trace_from_dict(d: Any, where: str = "trace") -> Trace:
     extra = {k: v for k, v in d.items() if k not in known and fmt == FORMAT}
     return Trace(str(d.get("net", "")), batch, layers, str(d.get("device", "")), source, extra,
                  workers, None if iteration is None else float(iteration))
-
-
-def read_json(path: str | Path, what: str, error: type[ValueError]) -> Any:
-    """The parsed JSON of ``path``; ``error`` names the file (and the line) when it cannot."""
-    p = Path(path)
-    try:
-        return json.loads(p.read_text())
-    except FileNotFoundError:
-        raise error(f"{what} file {p} not found") from None
-    except json.JSONDecodeError as e:
-        raise error(f"{p}:{e.lineno}: not JSON ({e.msg})") from None
 
 
 def load_trace(path: str | Path) -> Trace:

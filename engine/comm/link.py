@@ -20,6 +20,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from engine.jsonfile import read_json
+
 FORMAT = "poseidon-link"
 VERSION = 1
 
@@ -122,8 +124,6 @@ def parse_duration(text: str) -> float:
 
 
 def load_link(path: str | Path) -> Link:
-    from .trace import read_json
-
     p = Path(path)
     d = read_json(p, "link", LinkError)
     if not isinstance(d, dict) or d.get("format") != FORMAT:
