@@ -19,6 +19,7 @@ every scheme and has no branch of its own.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -217,9 +218,10 @@ class Levels(DenseScheme):
         self.inner.close()
 
 
-def shared(link: Any, ways: int) -> Any:
-    """``link`` as each of ``ways`` flows through it at once sees it."""
-    return type(link)(link.alpha_s, link.beta_s_per_byte * ways, f"{link.source} / {ways}")
+def shared(link: Any, ways: float) -> Any:
+    """``link`` as each of ``ways`` nodes' flows through it at once sees it."""
+    return replace(link, beta_s_per_byte=link.beta_s_per_byte * ways,
+                   source=f"{link.source} / {ways:g}")
 
 
 def timing(cls: type[Scheme], info: Any, world: int, slots: int, link: Any, local_link: Any,
@@ -241,7 +243,10 @@ def timing(cls: type[Scheme], info: Any, world: int, slots: int, link: Any, loca
     local = local_link.alpha_s + local_link.beta_s_per_byte * share
     adds = share / device.add_bytes_per_s
     update = device.update_s(info.params * info.itemsize)
+    # the network round starts once the machine's reduce-scatter is summed, and the result
+    # is handed to the mates after it; the k owners' parts cross the link at once (ways)
     return LayerTiming(info.name, cls.name, net.bytes_sent, net.bytes_received, net.up_s,
-                       net.down_s, local + adds + net.lag_s, net.tail_s + local,
+                       net.down_s, net.lag_s, net.tail_s + local,
                        net.reduce_s - net.update_s * (not device.update_on_device) + (
-                           0.0 if device.update_on_device else update), update)
+                           0.0 if device.update_on_device else update), update,
+                       start_s=local + adds, ways=slots)

@@ -50,24 +50,39 @@ class Host(Protocol):
 
 @dataclass
 class LayerTiming:
-    """One layer's cost on the busiest node, as the planner and the DAG model see it."""
+    """One layer's cost on the busiest node, as the planner and the DAG model see it.
+
+    Each direction of the node's link is a FIFO: the layer holds its sending side for ``up_s``
+    and its receiving side for ``down_s``, and no other layer's bytes go through a side while
+    the layer holds it. So that a link never carries more than its bandwidth, a scheme's
+    ``timing`` gives ``up_s >= beta * bytes_sent * ways`` and ``down_s >= beta *
+    bytes_received * ways`` (beta of the node's whole link; tests/test_perf_physics.py checks
+    it over random nets, schemes and links); pipelining inside one layer's round is priced
+    inside these spans."""
     name: str
     scheme: str
     bytes_sent: float  # per iteration
     bytes_received: float
-    up_s: float        # on the node's sending side of the link
-    down_s: float      # on its receiving side
-    #: how long after the sending starts the first bytes of the answer can come back
+    up_s: float        # the span it holds the node's sending side
+    down_s: float      # the span it holds its receiving side
+    #: how long after the sending span starts the receiving span can start
     lag_s: float
-    #: how long after the sending ends the last answer can have come back
+    #: how long after the sending span ends the receiving span can end at the earliest
     tail_s: float
     reduce_s: float    # on the progress thread: reconstruction, sums, the update off-device
     update_s: float = 0.0  # the solver update of the layer
+    #: from its release to when its first byte can go on the network (a two-level run's
+    #: reduce-scatter inside the machine)
+    start_s: float = 0.0
+    #: how many flows like this node's go through the node's link at once (a machine's k
+    #: workers share its one link): the link carries ``ways`` x the bytes above
+    ways: float = 1.0
 
     @property
     def total_s(self) -> float:
         """Release to applied for this layer alone on an idle link: what the planner compares."""
-        return max(self.up_s + self.tail_s, self.lag_s + self.down_s) + self.reduce_s
+        return self.start_s + max(self.up_s + self.tail_s, self.lag_s + self.down_s) \
+            + self.reduce_s
 
 
 @dataclass(frozen=True)
