@@ -392,10 +392,21 @@ def test_empty_and_corrupt_lmdb(tmp_path: Path) -> None:
         data_layer(tmp_path / "empty", 4)
     good = array_to_datum(np.zeros((1, 2, 2), np.uint8)).SerializeToString()
     write_lmdb(tmp_path / "bad", [(b"0", good), (b"1", b"\xff\xff garbage")])
-    layer, tops = data_layer(tmp_path / "bad", 2)
-    with pytest.raises(LayerError, match=r"corrupt record 1 \(key b'1'\) in .*bad"):
+    layer, tops = data_layer(tmp_path / "bad", 2, extra="strict: true")
+    with pytest.raises(LayerError, match=r"corrupt record 1 \(key b'1', stream position 1\) "
+                                         r"in .*bad: not a serialized Datum"):
         layer.forward([], tops)
     layer.close()
+    # the only readable record stands in; a database of none stops the run all the same
+    layer, tops = data_layer(tmp_path / "bad", 2)
+    layer.forward([], tops)
+    np.testing.assert_array_equal(tops[0].data, np.zeros((2, 1, 2, 2)))
+    assert layer.stats.skipped == 1
+    layer.close()
+    write_lmdb(tmp_path / "worse", [(b"0", b"\xff\xff"), (b"1", b"\xff\xff garbage")])
+    with pytest.raises(LayerError, match=r"corrupt record 0 .*no other record of .*worse can be "
+                                         r"read either"):
+        data_layer(tmp_path / "worse", 2)
 
 
 def test_wrong_shape_mean_file_and_leveldb(small_db, tmp_path: Path) -> None:
@@ -456,10 +467,18 @@ def test_image_data_layer(tmp_path: Path) -> None:
     sh2, stops2 = make_layer(text.format(extra="shuffle: true batch_size: 5"), "TRAIN", base=tmp_path)
     assert [tuple(b[1]) for b in run(sh2, stops2, 4)] == passes
     (tmp_path / "list.txt").write_text("p0.png 1\nmissing.png 2\n")
+    # a missing image: the next line's takes its row; with strict, the run stops naming it
     bad, btops = make_layer(text.format(extra="batch_size: 2"), "TEST", base=tmp_path)
-    with pytest.raises(LayerError, match=r"layer 'img' \(ImageData\): cannot read image .*missing"):
-        bad.forward([], btops)
-    for l in (layer, grey, sh, sh2, bad):
+    bad.forward([], btops)
+    np.testing.assert_array_equal(btops[0].data[1], images[0].astype(np.float32) * 0.5)
+    np.testing.assert_array_equal(btops[1].data, [1, 1])
+    strict = text.format(extra="batch_size: 2") + " data_param { strict: true }"
+    bad2, btops2 = make_layer(strict, "TEST", base=tmp_path)
+    with pytest.raises(LayerError, match=r"layer 'img' \(ImageData\): image missing.png "
+                                         r"\(.*list.txt:2, stream position 1\): cannot read "
+                                         r"image .*missing.png.*\(data_param.strict\)"):
+        bad2.forward([], btops2)
+    for l in (layer, grey, sh, sh2, bad, bad2):
         l.close()
 
 

@@ -84,14 +84,6 @@ class DataTransformer:
             return c, self.crop_size, self.crop_size
         return c, h, w
 
-    def _centred(self) -> np.ndarray | None:
-        """The per-element (or per-channel) value to subtract, shaped to broadcast over CHW."""
-        if self.mean is not None:
-            return self.mean
-        if len(self.mean_values):
-            return self.mean_values.reshape(-1, 1, 1)
-        return None
-
     def transform(self, images: np.ndarray,
                   rngs: list[np.random.Generator] | None = None) -> np.ndarray:
         """Transform a batch (N, C, H, W) of uint8 or float32 images; float32 (N, C, h, w) out.
@@ -99,27 +91,37 @@ class DataTransformer:
         ``rngs`` (one Generator per image) is required when ``self.random``.
         """
         n, c, h, w = images.shape
-        _, oh, ow = self.output_shape((c, h, w))
-        mean = self._centred()
-        x = images.astype(np.float32)
-        if mean is not None:  # before the crop: the mean file is indexed at input positions
-            x -= mean
-        x *= self.scale
-        if not self.random:
-            if self.crop_size:  # TEST: centre crop, the same for every image
-                h0, w0 = (h - oh) // 2, (w - ow) // 2
-                x = x[:, :, h0:h0 + oh, w0:w0 + ow]
-            return np.ascontiguousarray(x)
-        if rngs is None or len(rngs) != n:
+        out = np.empty((n, *self.output_shape((c, h, w))), dtype=np.float32)
+        if self.random and (rngs is None or len(rngs) != n):
             raise ValueError("a random transform needs one Generator per image")
-        out = np.empty((n, c, oh, ow), dtype=np.float32)
-        for i, rng in enumerate(rngs):
-            flip = self.mirror and bool(rng.integers(2))
-            if self.crop_size and self.phase == "TRAIN":
-                h0 = int(rng.integers(h - oh + 1))
-                w0 = int(rng.integers(w - ow + 1))
-            else:
-                h0, w0 = (h - oh) // 2, (w - ow) // 2
-            crop = x[i, :, h0:h0 + oh, w0:w0 + ow]
-            out[i] = crop[:, :, ::-1] if flip else crop
+        for i in range(n):
+            self.transform_into(images[i], out[i], rngs[i] if self.random else None)
         return out
+
+    def transform_into(self, image: np.ndarray, out: np.ndarray,
+                       rng: np.random.Generator | None = None) -> None:
+        """Transform one (C, H, W) image (any strides: a view of a record is fine) into
+        ``out``, float32 of ``output_shape(image.shape)``, in one pass over the output.
+
+        Each element is Caffe's ``(pixel - mean) * scale`` in float32, the crop and the
+        mirror taken from the input by indexing (nothing is copied before the arithmetic);
+        the draws come from ``rng`` in Caffe's order: mirror, then the crop's row and column.
+        Elementwise the same operations as on the whole uncropped image, so the same bits.
+        """
+        _, h, w = image.shape
+        _, oh, ow = out.shape
+        flip = self.mirror and bool(rng.integers(2)) if self.random else False
+        if self.crop_size and self.phase == "TRAIN":
+            h0, w0 = int(rng.integers(h - oh + 1)), int(rng.integers(w - ow + 1))
+        else:
+            h0, w0 = (h - oh) // 2, (w - ow) // 2
+        cols = slice(w0 + ow - 1, w0 - 1 if w0 else None, -1) if flip else slice(w0, w0 + ow)
+        src = image[:, h0:h0 + oh, cols]
+        if self.mean is not None:
+            np.subtract(src, self.mean[:, h0:h0 + oh, cols], out=out, dtype=np.float32)
+        elif len(self.mean_values):
+            np.subtract(src, self.mean_values.reshape(-1, 1, 1), out=out, dtype=np.float32)
+        else:
+            out[...] = src
+        if self.scale != 1:  # x * 1 is x: skip the pass
+            out *= self.scale

@@ -123,7 +123,7 @@ def _child(peer: str, proto: Path, iters: int, threads: int) -> tuple[float, str
     return float(out["ms"]), out["blas"]
 
 
-def _caffe(binary: str, proto: Path, iters: int, threads: int) -> tuple[float, str]:
+def caffe_time(binary: str, proto: Path, iters: int, threads: int) -> tuple[float, str]:
     """`caffe time`'s average forward-backward, and the OpenBLAS kernel it says it picked."""
     env = dict(_env(threads), OPENBLAS_VERBOSE="2", GLOG_logtostderr="1")
     done = subprocess.run([binary, "time", "-model", str(proto), "-iterations", str(iters)],
@@ -150,7 +150,7 @@ def run(nets: list[str], repeats: int, iterations: int | None = None, threads: i
             runs: dict[str, list[float]] = {p: [] for p in peers}
             for _ in range(repeats):
                 for peer in peers:  # alternate
-                    ms, blas[peer] = (_caffe(caffe, proto, iters, threads) if peer == "caffe"
+                    ms, blas[peer] = (caffe_time(caffe, proto, iters, threads) if peer == "caffe"
                                       else _child(peer, proto, iters, threads))
                     runs[peer].append(ms)
             results[name] = _summary(name, runs, iters, threads, say)
