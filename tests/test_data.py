@@ -18,7 +18,8 @@ from engine.data import converters
 from engine.data.datum import DataError, array_to_datum, datum_to_array, encode_image, parse_datum
 from engine.data.lmdb_source import open_db, write_lmdb
 from engine.data.prefetch import Prefetcher
-from engine.data.transformer import DataTransformer, read_mean_file, write_mean_file
+from engine.data.transformer import (DataTransformer, crop_draws, read_mean_file,
+                                     write_mean_file)
 from engine.layers.base import LayerError, create_layer
 from engine.pb import caffe_pb2
 from tests.conftest import ROOT, shared_path
@@ -195,18 +196,45 @@ def test_transformer_mean_file_before_centre_crop(tmp_path: Path) -> None:
     assert t.output_shape((2, 6, 6)) == (2, 4, 4)
 
 
-def test_transformer_random_crop_and_mirror_follow_the_generator() -> None:
+def test_transformer_random_crop_and_mirror_follow_the_draws() -> None:
     img = np.arange(3 * 5 * 5, dtype=np.uint8).reshape(1, 3, 5, 5)
     t = DataTransformer(transform_param("crop_size: 3 mirror: true"), "TRAIN")
-    out = t.transform(img, [np.random.default_rng(7)])
-    g = np.random.default_rng(7)
-    flip, h0, w0 = bool(g.integers(2)), int(g.integers(3)), int(g.integers(3))
-    crop = img[0, :, h0:h0 + 3, w0:w0 + 3].astype(np.float32)
-    np.testing.assert_array_equal(out[0], crop[:, :, ::-1] if flip else crop)
-    np.testing.assert_array_equal(out, t.transform(img, [np.random.default_rng(7)]))
-    # over many draws both mirror states and several offsets occur
-    outs = {t.transform(img, [np.random.default_rng(s)]).tobytes() for s in range(40)}
-    assert len(outs) > 5
+    draws = crop_draws(7, np.arange(40))
+    for i in range(40):
+        word = [int(v) for v in draws[i]]
+        flip = bool(word[0] >> 63)
+        h0, w0 = ((word[1] >> 32) * 3) >> 32, ((word[2] >> 32) * 3) >> 32
+        crop = img[0, :, h0:h0 + 3, w0:w0 + 3].astype(np.float32)
+        np.testing.assert_array_equal(t.transform(img, draws[i:i + 1])[0],
+                                      crop[:, :, ::-1] if flip else crop)
+    # the words are a function of (seed, index) alone; over 40 indices every offset and
+    # both mirror states occur
+    np.testing.assert_array_equal(crop_draws(7, np.arange(20, 40)), draws[20:])
+    assert not np.array_equal(crop_draws(8, np.arange(40)), draws)
+    outs = {t.transform(img, draws[i:i + 1]).tobytes() for i in range(40)}
+    assert len(outs) > 10
+    assert {bool(int(w) >> 63) for w in draws[:, 0]} == {False, True}
+
+
+def test_transformer_mirrored_random_crop_indexes_the_mean_file_at_input_positions(tmp_path):
+    rng = np.random.default_rng(2)
+    img = rng.integers(0, 256, (1, 3, 7, 9), dtype=np.uint8)
+    mean = rng.uniform(0, 255, (3, 7, 9)).astype(np.float32)
+    write_mean_file(tmp_path / "m.binaryproto", mean)
+    t = DataTransformer(transform_param('crop_size: 4 mirror: true scale: 0.5 mean_file: "m"'),
+                        "TRAIN", tmp_path / "m.binaryproto")
+    draws = crop_draws(3, np.arange(30))
+    seen = set()
+    for i in range(30):
+        word = [int(v) for v in draws[i]]
+        flip = bool(word[0] >> 63)
+        h0, w0 = ((word[1] >> 32) * 4) >> 32, ((word[2] >> 32) * 6) >> 32
+        # Caffe: top[c, h, W-1-w] = (pixel[c, h0+h, w0+w] - mean[c, h0+h, w0+w]) * scale
+        x = (img[0].astype(np.float32) - mean)[:, h0:h0 + 4, w0:w0 + 4] * np.float32(0.5)
+        np.testing.assert_array_equal(t.transform(img, draws[i:i + 1])[0],
+                                      x[:, :, ::-1] if flip else x)
+        seen.add((flip, w0 == 0))
+    assert (True, True) in seen  # a mirrored crop at column 0 (the slice that ends at None)
 
 
 def test_transformer_errors(tmp_path: Path) -> None:

@@ -18,10 +18,13 @@ A batch is a pure function of the stream index it starts at, which gives three t
 - **Exact resume.** ``position()`` is the stream index of the next batch (the same number on
   every worker, in single-worker record units); ``seek(position)`` continues from there.
   The solver stores it in the solverstate.
-- **Deterministic prefetch.** The prefetch thread computes the same pure function ahead of
-  time, in order (engine.data.prefetch). Random crops, mirrors and shuffles draw from a
-  Generator seeded by (a seed drawn once from ``engine.backend.rng()`` at set-up, the stream
-  index), never from a shared stream, so they do not depend on threads, workers or restarts.
+- **Deterministic prefetch and decoding.** The prefetch thread computes the same pure
+  function ahead of time, in order (engine.data.prefetch), and the decoding threads each
+  fill rows of it (engine.data.decoders). Random crops and mirrors take words hashed from
+  (a seed drawn once from ``engine.backend.rng()`` at set-up, the stream index)
+  (engine.data.transformer.crop_draws); shuffles and windows draw from a Generator seeded
+  by the same pair; never from a shared stream, so they do not depend on threads, decoders,
+  workers or restarts.
 
 ``rand_skip`` (Data, ImageData) starts the stream at a random index below ``rand_skip``, as
 older Caffe did (Caffe 1.0's Data layer ignores the field).
@@ -32,6 +35,7 @@ import contextlib
 import functools
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
@@ -48,7 +52,7 @@ from .decoders import DecodeStats, DecoderPool, Pending, default_decoders
 from .imageset import ListEntry, read_image_list
 from .lmdb_source import DBSource, SourceNotFound, open_db
 from .prefetch import Prefetcher
-from .transformer import DataTransformer, read_mean_file
+from .transformer import DataTransformer, crop_draws, read_mean_file
 
 #: LMDB folder name fragment -> the `poseidon data` subcommand that writes it
 _MAKERS = (("fashion", "fashion-mnist"), ("mnist", "mnist"), ("cifar", "cifar10"),
@@ -71,8 +75,8 @@ class _Batch:
         self.data, self.labels = data, labels
         #: rows whose image transforms to another shape than ``data``'s: (row, array)
         self.odd: dict[int, np.ndarray] = {}
-        #: rows whose record could not be read: (row, stream index, record, reason)
-        self.failed: list[tuple[int, int, Any, str]] = []
+        #: rows whose record could not be read: (row, record, its random words, reason)
+        self.failed: list[tuple[int, Any, Any, str]] = []
         #: (decode, transform) seconds of each image
         self.times: list[tuple[float, float]] = []
         self.pending: Pending | None = None
@@ -179,9 +183,6 @@ class StreamDataLayer(Layer):
             stats.transform_s += transform_s
         return batch.data, batch.labels
 
-    def _recycle(self, batch: tuple[np.ndarray, ...]) -> None:
-        """The arrays of a batch copied to the tops: a layer may reuse them."""
-
     def _shape_tops(self, top: Sequence[Blob], shapes: Sequence[tuple[int, ...]]) -> None:
         for blob, shape in zip(top, shapes):
             blob.reshape(shape)
@@ -190,12 +191,14 @@ class StreamDataLayer(Layer):
         """Tops keep the shape of the last batch (set at set-up from the first record)."""
 
     def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        batch = self.next_batch()
+        self._copy_tops(top, self.next_batch())
+
+    @staticmethod
+    def _copy_tops(top: Sequence[Blob], batch: tuple[np.ndarray, ...]) -> None:
         for blob, array in zip(top, batch):
             blob.reshape(array.shape)
             xp = backend.get_array_module(blob.data)
             blob.data[...] = xp.asarray(array)
-        self._recycle(batch)
 
     def close(self) -> None:
         """Stop the prefetch thread and the decoders, and release the source."""
@@ -302,36 +305,44 @@ class _ImageStreamLayer(StreamDataLayer):
         data = self._free.pop() if self._free else np.empty((self.batch_size, *self._row_shape),
                                                              dtype=np.float32)
         batch = _Batch(data, np.empty(self.batch_size, dtype=np.float32))
-        batch.pending = self._pool.run([functools.partial(self._fill, batch, row, record)
-                                        for row, record in enumerate(records)])
+        draws = self._draws(indices)
+        batch.pending = self._pool.run([functools.partial(self._fill, batch, row, record, draw)
+                                        for row, (record, draw) in enumerate(zip(records, draws))])
         return batch
 
-    def _fill(self, batch: _Batch, row: int, record: _Record) -> None:
+    def _draws(self, indices: list[int]) -> list[tuple[int, int, int] | None]:
+        """Each row's random words (crop_draws): a function of its stream index."""
+        if not self.transformer.random:
+            return [None] * len(indices)
+        return [tuple(row) for row in crop_draws(self._seed, np.asarray(indices)).tolist()]
+
+    def _fill(self, batch: _Batch, row: int, record: _Record,
+              draw: tuple[int, int, int] | None) -> None:
         """One decoding job: the record's image, transformed into its row."""
         start = time.perf_counter()
         try:
             image, label = self._decode(record)
         except DataError as e:
-            batch.failed.append((row, record.stream, record, str(e)))
+            batch.failed.append((row, record, draw, str(e)))
             return
         decoded = time.perf_counter()
-        self._place(batch, row, record.stream, image, label)
+        self._place(batch, row, draw, image, label)
         batch.times.append((decoded - start, time.perf_counter() - decoded))
 
-    def _place(self, batch: _Batch, row: int, k: int, image: np.ndarray, label: int) -> None:
+    def _place(self, batch: _Batch, row: int, draw: tuple[int, int, int] | None,
+               image: np.ndarray, label: int) -> None:
         with self._named_errors():
             shape = self.transformer.output_shape(image.shape)
         out = (batch.data[row] if shape == batch.data.shape[1:]
                else batch.odd.setdefault(row, np.empty(shape, dtype=np.float32)))
-        rng = np.random.default_rng([self._seed, k]) if self.transformer.random else None
-        self.transformer.transform_into(image, out, rng)
+        self.transformer.transform_into(image, out, draw)
         batch.labels[row] = label
 
     def _complete(self, batch: _Batch) -> tuple[np.ndarray, ...]:
         batch.pending.wait()
-        for row, k, record, reason in sorted(batch.failed, key=lambda f: f[0]):
+        for row, record, draw, reason in sorted(batch.failed, key=lambda f: f[0]):
             image, label = self._readable(record, reason)
-            self._place(batch, row, k, image, label)
+            self._place(batch, row, draw, image, label)
         data, labels = super()._complete(batch)
         if batch.odd:
             shapes = {a.shape for a in batch.odd.values()}
@@ -343,12 +354,31 @@ class _ImageStreamLayer(StreamDataLayer):
             data = np.stack([batch.odd[i] for i in range(len(labels))])
         return data, labels
 
-    def _recycle(self, batch: tuple[np.ndarray, ...]) -> None:
-        # a fresh batch array would be new pages, faulted in and zeroed by the kernel on every
-        # batch (79 MB for AlexNet's b128): more than the transform itself
-        data = batch[0]
-        if data.shape[1:] == self._row_shape and len(self._free) < 2:
-            self._free.append(data)
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        data, labels = batch = self.next_batch()
+        blob = top[0]
+        if type(blob.data) is not np.ndarray or blob.data.dtype != data.dtype:
+            self._copy_tops(top, batch)  # a GPU or float64 blob: copy into it
+            del batch
+            self._recycle(data)
+            return
+        # Hand the batch's array to the blob instead of copying it (79 MB for AlexNet's b128,
+        # a core's worth of memory traffic beside the decoders), as Caffe's prefetching layer
+        # does (set_cpu_data); layers that view the blob re-view it every pass (Reshape).
+        blob.reshape(data.shape)
+        old, blob.data = blob.data, data
+        self._recycle(old)
+        if len(top) > 1:
+            top[1].reshape(labels.shape)
+            top[1].data[...] = labels
+
+    def _recycle(self, array: np.ndarray) -> None:
+        # A fresh batch array would be new pages, faulted in and zeroed by the kernel on every
+        # batch: more than the transform itself. An array is reused only when nothing else
+        # holds it (a view of it, a pycaffe user's reference): refcount = ours + the call's.
+        if (array.shape[1:] == self._row_shape and len(self._free) < 2
+                and sys.getrefcount(array) <= 3):
+            self._free.append(array)
 
 
 @register("Data", "DATA")
