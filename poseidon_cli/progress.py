@@ -54,15 +54,18 @@ class ProgressBar:
 
 
 class CountProgress:
-    """Progress through a known number of items (``poseidon data images``): a rich bar on a
-    terminal, else Caffe's ``Processed N files.`` line every ``every`` items. ``say`` prints
-    a line (to stderr) without breaking the bar."""
+    """Progress through a known number of items (``poseidon data images``, ``data mean``): a
+    rich bar on a terminal with the rate and the time left, else Caffe's ``Processed N
+    files.`` line every ``every`` items, with the same two. The rate counts from the first
+    ``update`` (a resumed run starts part way). ``say`` prints a line (to stderr) without
+    breaking the bar."""
 
-    def __init__(self, what: str, every: int = 1000) -> None:
-        self._what, self._every = what, every
+    def __init__(self, what: str, every: int = 1000, unit: str = "images") -> None:
+        self._what, self._every, self._unit = what, every, unit
         self._progress: Any = None
         self._console: Any = None
         self._task: Any = None
+        self._start: tuple[float, int] | None = None
 
     def __enter__(self) -> "CountProgress":
         if sys.stderr.isatty():
@@ -72,17 +75,29 @@ class CountProgress:
 
             self._console = Console(stderr=True)
             self._progress = Progress(TextColumn(self._what), MofNCompleteColumn(), BarColumn(),
+                                      TextColumn("{task.fields[rate]} " + self._unit + "/s"),
                                       TimeRemainingColumn(), console=self._console)
             self._progress.start()
         return self
 
+    def rate(self, done: int) -> float:
+        """Items a second since the first update."""
+        start, first = self._start or (time.perf_counter(), done)
+        elapsed = time.perf_counter() - start
+        return (done - first) / elapsed if elapsed > 0 else 0.0
+
     def update(self, done: int, total: int) -> None:
+        if self._start is None:
+            self._start = (time.perf_counter(), done)
         if self._progress is not None:
             if self._task is None:
-                self._task = self._progress.add_task(self._what, total=total)
-            self._progress.update(self._task, completed=done)
-        elif done % self._every == 0 and done < total:
-            self.say(f"Processed {done} files.")
+                self._task = self._progress.add_task(self._what, total=total, completed=done,
+                                                     rate="-")
+            self._progress.update(self._task, completed=done, rate=f"{self.rate(done):.0f}")
+        elif done % self._every == 0 and 0 < done < total:
+            rate = self.rate(done)
+            left = f", {(total - done) / rate / 60:.1f} min left" if rate > 0 else ""
+            self.say(f"Processed {done} files ({rate:.0f} {self._unit}/s{left}).")
 
     def say(self, line: str) -> None:
         if self._console is not None:

@@ -195,20 +195,26 @@ def open_db(path: Path, backend: str = "LMDB", zero_copy: bool = False) -> DBSou
     raise DataError(f"{path}: unknown database backend {backend!r}")
 
 
+def open_lmdb_writer(path: Path) -> Any:
+    """An LMDB environment to write ``path`` (created) with Caffe's map size; commits go to
+    the page cache and reach the disk at ``env.sync(True)``."""
+    import lmdb
+    Path(path).mkdir(parents=True, exist_ok=True)
+    return lmdb.open(str(path), map_size=MAP_SIZE, subdir=True, meminit=False, map_async=True)
+
+
 def write_lmdb(path: Path, records: Iterable[tuple[bytes, bytes]], overwrite: bool = False) -> int:
     """Write (key, value) records to a new LMDB in one transaction; returns the count.
 
     Refuses to touch an existing database unless ``overwrite`` (Caffe's converters refuse too).
     """
-    import lmdb
     path = Path(path)
     if (path / "data.mdb").exists():
         if not overwrite:
             raise DataError(f"{path} already exists (remove it, or pass --force)")
         for name in ("data.mdb", "lock.mdb"):
             (path / name).unlink(missing_ok=True)
-    path.mkdir(parents=True, exist_ok=True)
-    env = lmdb.open(str(path), map_size=MAP_SIZE, subdir=True, meminit=False, map_async=True)
+    env = open_lmdb_writer(path)
     n = 0
     try:
         with env.begin(write=True) as txn:
