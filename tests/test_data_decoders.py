@@ -265,3 +265,10 @@ def test_sigint_ends_a_process_that_is_decoding(dbs, tmp_path: Path) -> None:
             proc.kill()
             proc.wait()
     assert proc.returncode != 0 and "KeyboardInterrupt" in err
+
+
+def test_default_decoders_one_for_raw_records_more_for_encoded(dbs) -> None:
+    for db, want in (("raw", 1), ("jpeg", default_decoders())):
+        layer, _ = data_layer(dbs[db], 0, 0, "crop_size: 12")
+        assert layer.decoders == want
+        layer.close()

@@ -272,6 +272,12 @@ def _scan_datum(value: bytes) -> tuple[list[int], int, int] | None:
     return fields, start, length
 
 
+def datum_is_encoded(value: bytes) -> bool:
+    """Whether a serialized Datum holds an encoded image (PNG, JPEG) rather than pixels."""
+    scanned = _scan_datum(value)
+    return bool(scanned[0][4]) if scanned is not None else parse_datum(value).encoded
+
+
 def datum_image(value: bytes, color: bool | None = None) -> tuple[np.ndarray, int]:
     """The CHW pixels and the label of one serialized Datum, as ``datum_to_array`` gives them
     but without protobuf's two copies of the pixels: raw bytes come back as a read-only view

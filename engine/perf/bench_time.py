@@ -74,6 +74,7 @@ else:
 
 _CAFFE_TOTAL = re.compile(r"Average Forward-Backward:\s*([0-9.]+)\s*ms")
 _OPENBLAS_CORE = re.compile(r"Core:\s*(\S+)")
+_GLOG_FATAL = re.compile(r"^F\d{4,8} [^\]]*\] (.*)$", re.MULTILINE)
 
 
 def torch_available() -> bool:
@@ -131,7 +132,10 @@ def caffe_time(binary: str, proto: Path, iters: int, threads: int) -> tuple[floa
     text = done.stdout + done.stderr
     total = _CAFFE_TOTAL.search(text)
     if done.returncode != 0 or total is None:
-        raise RuntimeError(f"caffe time on {proto.name} failed: {text.strip().splitlines()[-1:]}")
+        # glog's fatal line says why (a failed CHECK); a stack trace follows it
+        fatal = _GLOG_FATAL.search(text)
+        said = fatal.group(1).strip() if fatal else text.strip().splitlines()[-1:]
+        raise RuntimeError(f"caffe time on {proto.name} failed: {said}")
     core = _OPENBLAS_CORE.search(text)
     blas = f"OpenBLAS {core.group(1)} kernel" if core else "BLAS not reported"
     return float(total.group(1)), f"{Path(binary).name}: {blas}, {threads} threads"
