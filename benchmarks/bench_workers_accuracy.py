@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine.caffe_io import read_net_prototxt, read_solver_prototxt
 from engine.comm.hosts import free_base_port
-from engine.perf.bench_train import one_thread_env
+from poseidon_cli.benches.train import one_thread_env
 from engine.pb import caffe_pb2
 
 TOTAL_BATCH = 64

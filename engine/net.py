@@ -18,7 +18,7 @@ from . import backend
 from .blob import Blob, BlobTooLarge, check_fits
 from .context import RunContext
 from .layers import Layer, LayerError, create_layer
-from .perf import timeline
+from . import timeline
 from .pb import caffe_pb2
 
 PHASES = {"TRAIN": caffe_pb2.TRAIN, "TEST": caffe_pb2.TEST}

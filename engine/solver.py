@@ -34,7 +34,7 @@ import numpy as np
 from . import backend, glog, snapshots
 from .context import RunContext
 from .pb import caffe_pb2
-from .perf import timeline
+from . import timeline
 from .solvers import SolverError, check_lr_policy, clip_scale, learning_rate, make_rule, \
     normalize, regularize, solver_type
 
@@ -62,6 +62,10 @@ class GradientSync(Protocol):
 
     def close(self) -> None:
         """Stop the communication threads."""
+
+    def state(self) -> bytes:
+        """What a snapshot records so that a resumed run synchronises exactly as this one
+        (Poseidon's syncer: the communication plan); b"" when nothing."""
 
 
 @dataclass
@@ -214,7 +218,7 @@ class Solver:
         p = self.param
         if not self.is_root or not (p.snapshot or p.snapshot_after_train):
             return
-        folder = Path(os.path.dirname(snapshots.snapshot_base(self)) or ".")
+        folder = Path(os.path.dirname(self.snapshot_prefix()) or ".")
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             raise SolverError(f"solver {self.source}: cannot write snapshots to prefix "
                               f"'{p.snapshot_prefix}': folder {folder} does not exist or is not "
@@ -415,6 +419,10 @@ class Solver:
         if self._sync is not None:
             self._sync.wait_all()
 
+    def sync_state(self) -> bytes:
+        """The attached sync's state for a snapshot (b"" without a sync)."""
+        return self._sync.state() if self._sync is not None else b""
+
     def close(self) -> None:
         """Stop an attached sync and the data layers' prefetch threads."""
         if self._sync is not None:
@@ -585,23 +593,45 @@ class Solver:
     # -- snapshots (engine/snapshots.py) --------------------------------------------------
     def snapshot_prefix(self) -> Path:
         """The resolved snapshot_prefix."""
-        return Path(snapshots.snapshot_base(self))
+        return Path(snapshots.snapshot_base(self.param, self.source, self.context))
 
     def snapshot_paths(self) -> tuple[Path, Path]:
         """(weights, state) file names of a snapshot at the current iteration."""
-        return snapshots.snapshot_paths(self)
+        h5 = self.param.snapshot_format == caffe_pb2.SolverParameter.HDF5
+        return snapshots.snapshot_paths(str(self.snapshot_prefix()), self.iter, h5)
 
     def snapshot(self) -> tuple[Path, Path] | None:
-        """Write weights then solver state, each atomically (root only; others return None)."""
-        return snapshots.write_snapshot(self)
+        """Write weights then solver state, each atomically (root only; others return None,
+        knowing the name rank 0 writes: errors name it as the last good snapshot, a shared
+        file system assumed, as for the solver and the data)."""
+        model, state_path = self.snapshot_paths()
+        if not self.is_root:
+            self.last_snapshot = state_path
+            return None
+        self.wait_all()  # the weights as every update so far left them
+        snapshots.write_snapshot(self.net, self.solver_state(), model, state_path,
+                                 self.param.snapshot_diff, self.last_snapshot)
+        self.last_snapshot = state_path
+        return model, state_path
 
     def solver_state(self, learned_net: str = "") -> Any:
         """The SolverState message of the current iteration (history in Caffe's layout)."""
-        return snapshots.solver_state(self, learned_net)
+        return snapshots.solver_state(self.iter, self.current_step, self.history,
+                                      [layer.position() for layer in self.net.data_layers],
+                                      self.sync_state(), learned_net)
 
     def restore(self, path: str | Path) -> None:
         """Load a .solverstate (binary, or HDF5 by its .h5 suffix) and the weights it names."""
-        snapshots.restore(self, path)
+        r = snapshots.restore(path, self.net, self.history, self.type)
+        self.iter = r.iter
+        self.current_step = r.current_step
+        layers = self.net.data_layers
+        # a Caffe solverstate records none: where Caffe's uninterrupted run would be
+        positions = r.data_positions or [self.iter * layer.step * self.param.iter_size
+                                         for layer in layers]
+        for layer, pos in zip(layers, positions):
+            layer.seek(int(pos))
+        self.last_snapshot = r.path
 
     # -- requests and callbacks --------------------------------------------------------------
     def request(self, action: str) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .backend import get_array_module
-from .layers import compiled
+from .kernels import cpu as compiled
 from .pb import caffe_pb2
 
 

@@ -1,4 +1,4 @@
-"""`poseidon bench cluster`: the emulated cluster (engine/perf/cluster.py) from the command line."""
+"""`poseidon bench cluster`: the emulated cluster (poseidon_cli/benches/cluster.py) from the command line."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from .main import fail, user_errors
+from .console import fail, user_errors
 from .simulate_cmd import parse_workers
 
 
@@ -42,8 +42,8 @@ def cluster(solver: str, workers: str, schemes: str, bandwidth: str, compute: st
             trace_path: str | None, time_scale: float, slots: int, iters: int, warmup: int,
             json_path: str | None, plot: str | None) -> None:
     """Real workers in network namespaces over shaped links, next to `simulate`'s prediction."""
-    from engine.perf import cluster as bench
-    from engine.perf.link import parse_bandwidth
+    from .benches import cluster as bench
+    from engine.comm.link import parse_bandwidth
     from engine.perf.netns import ClusterError, check_root, cleanup_stale
 
     if compute == "replay" and trace_path is None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .main import fail, user_errors
+from .console import fail, user_errors
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

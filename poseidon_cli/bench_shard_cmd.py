@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from .bench_comm_cmd import parse_size
-from .main import fail, user_errors
+from .console import fail, user_errors
 
 
 @click.command("shard")

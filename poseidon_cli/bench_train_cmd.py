@@ -9,7 +9,7 @@ import click
 
 from engine.comm.schemes import NETWORK_SCHEMES, SCHEMES
 
-from .main import fail, user_errors
+from .console import fail, user_errors
 from .simulate_cmd import parse_workers
 
 
@@ -35,7 +35,7 @@ def train(workers: str, schemes: str | None, nets: str, iters: int, repeats: int
     """Poseidon's workers against DDP on the same net and the same records."""
     from engine.perf.bench_comm import cpu_name_and_blas
     from engine.perf.bench_time import torch_available
-    from engine.perf.bench_train import NETS, run
+    from .benches.train import NETS, run
 
     if iters < 6:
         fail("--iters must be at least 6 (the first third is warm-up)")
@@ -43,7 +43,7 @@ def train(workers: str, schemes: str | None, nets: str, iters: int, repeats: int
         counts = parse_workers(workers)
         bits = None
         if bandwidth is not None:
-            from engine.perf.link import parse_bandwidth
+            from engine.comm.link import parse_bandwidth
             from engine.perf.netns import ClusterError, check_root, cleanup_stale
             bits = parse_bandwidth(bandwidth)
             try:

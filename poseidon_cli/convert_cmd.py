@@ -16,7 +16,7 @@ from google.protobuf import text_format
 from engine import caffe_io
 from engine.caffe_io import FormatError
 from engine.pb import caffe_pb2
-from poseidon_cli.main import fail
+from poseidon_cli.console import fail
 
 TEXT_SUFFIXES = (".prototxt", ".pbtxt", ".txt")
 

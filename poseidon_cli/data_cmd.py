@@ -17,7 +17,7 @@ from typing import Callable
 
 import click
 
-from poseidon_cli.main import fail
+from poseidon_cli.console import fail
 
 _OUT = click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
                     help="folder to write the <name>_train_lmdb and <name>_test_lmdb into")

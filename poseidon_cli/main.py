@@ -1,12 +1,9 @@
 """The `poseidon` click group; each command lives in its own module of this package."""
 from __future__ import annotations
 
-import contextlib
 import importlib
-import os
 import re
 import sys
-from typing import Iterator, NoReturn
 
 import click
 
@@ -74,48 +71,8 @@ def cli() -> None:
     """Poseidon: train Caffe models on many machines."""
 
 
-def default_blas_threads() -> None:
-    """One BLAS thread per process unless the user chose otherwise (OPENBLAS_NUM_THREADS...).
-
-    Poseidon scales by processes (one worker per core or GPU), and OpenBLAS's spinning
-    threads fight the prefetch thread and the other workers: the digits demo took 47 s with
-    the default threads on a busy 2-core machine and 1.4 s with one. One thread is also how
-    the real Caffe's reference numbers were made. Must run before NumPy is imported.
-    """
-    if not any(v in os.environ for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
-                                          "MKL_NUM_THREADS")):
-        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-            os.environ[var] = "1"
-
-
-# At import, not in the group's callback: click imports a command's module (which may import
-# NumPy) before that callback runs.
-default_blas_threads()
-
-
-@contextlib.contextmanager
-def user_errors() -> Iterator[None]:
-    """Turn the engine's errors about bad input into one line and a non-zero exit.
-
-    Set POSEIDON_DEBUG=1 to see the traceback instead.
-    """
-    try:
-        yield
-    except (ValueError, OSError, KeyError, RuntimeError) as e:
-        if os.environ.get("POSEIDON_DEBUG"):
-            raise
-        fail(str(e) or type(e).__name__)
-    except MemoryError as e:  # what the up-front size checks could not foresee
-        if os.environ.get("POSEIDON_DEBUG"):
-            raise
-        fail(f"out of memory{': ' + str(e) if str(e) else ''} (a smaller batch, or a machine "
-             "with more memory?)")
-
-
-def fail(message: str, code: int = 1) -> NoReturn:
-    """Print a one-line error and exit non-zero: the one way commands report bad input."""
-    click.echo(f"poseidon: error: {message}", err=True)
-    sys.exit(code)
+# the one-line error of every command (re-exported: scripts and tests import it from here)
+from .console import fail, user_errors  # noqa: E402,F401
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -15,7 +15,7 @@ import click
 
 from engine.comm.schemes import NETWORK_SCHEMES
 
-from .main import fail, user_errors
+from .console import fail, user_errors
 
 
 def parse_workers(text: str) -> list[int]:
@@ -109,7 +109,7 @@ def simulate(model: str, trace_path: str | None, estimate: bool, batch: int | No
     """Predict iteration time, exposed communication and speedup per scheme and worker count."""
     from engine.perf.dag import SCHEMES, missing_layers, sweep
     from engine.perf.flops import TITAN_X, trace_from_flops
-    from engine.perf.link import Link, load_link, parse_bandwidth, parse_duration
+    from engine.comm.link import Link, load_link, parse_bandwidth, parse_duration
     from engine.perf.netinfo import net_info
     from engine.perf.trace import load_trace
 

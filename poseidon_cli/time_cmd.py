@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from .main import fail, user_errors
+from .console import fail, user_errors
 
 
 @click.command("time")
@@ -29,7 +29,7 @@ def time_cmd(model: str, iterations: int, phase: str, gpu: int | None, synthetic
              batch: int | None, input_shape: str | None, as_json: bool) -> None:
     """Average forward, backward and per-layer times, as `caffe time` prints them."""
     from engine import backend
-    from engine.timing import time_net
+    from engine.perf.timing import time_net
 
     if iterations < 1:
         fail(f"--iterations must be positive, got {iterations}")

@@ -9,7 +9,7 @@ Five targets, each a valid seed input and what Poseidon does with it:
 - ``wire``: the receive path's parser (``Endpoint._parse``) on a message's frames, without
   authentication (the structure a job's own processes could get wrong) and with it.
 
-A clean error is what ``poseidon_cli.main.user_errors`` turns into one ``poseidon: error:``
+A clean error is what ``poseidon_cli.console.user_errors`` turns into one ``poseidon: error:``
 line. ``tests/test_fuzz.py`` runs a few hundred cases per target with hypothesis in CI; the
 long run is on demand:
 
@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-#: what the CLI reports as one line (poseidon_cli/main.py: user_errors)
+#: what the CLI reports as one line (poseidon_cli/console.py: user_errors)
 CLEAN = (ValueError, OSError, KeyError, RuntimeError, MemoryError)
 HANG_S = 10
 INTERESTING = [b"\x00", b"\xff", b"\x7f", b"\x80", b"\xff\xff\xff\xff\x0f",

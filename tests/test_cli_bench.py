@@ -9,7 +9,7 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from engine.perf.link import load_link
+from engine.comm.link import load_link
 from tests.test_cli_caffe_habits import run
 from tests.test_comm_train import digits_db, write_run  # noqa: F401
 
@@ -34,11 +34,27 @@ def test_bench_comm_measures_both_and_fits_a_link(tmp_path):
         assert r["unauthenticated_mb_s"] > 0
         assert r["auth_cost"] == pytest.approx(1 - r["poseidon_mb_s"] / r["unauthenticated_mb_s"])
     fitted = load_link(link)
+    # what the fit says of a measured link depends on how busy the machine was (under load a
+    # 4 KB trip can take longer than a 256 KB one); the fit itself is checked exactly below
     assert fitted.beta_s_per_byte > 0 and fitted.alpha_s >= 0
-    # the fit passes near its points: one-way time of 256 KB within a factor 2
-    big = report["rows"][1]
-    assert 0.5 <= fitted.time(262144) / big["poseidon_one_way_s"] <= 2.0
+    assert fitted.source.startswith("poseidon bench comm")
     assert [t["workers"] for t in report["schemes"]] == [2, 4, 8, 16]
+
+
+def test_the_link_fit_recovers_alpha_and_beta():
+    from engine.perf.bench_comm import fit_link
+
+    alpha, beta = 80e-6, 1 / 2e9
+    sizes = [1 << k for k in range(10, 27, 2)]
+    noise = [1.03, 0.98, 1.01, 0.97, 1.02, 1.0, 0.99, 1.02, 0.98]  # +-3%, deterministic
+    fitted = fit_link([(n, (alpha + beta * n) * e) for n, e in zip(sizes, noise)])
+    assert fitted.alpha_s == pytest.approx(alpha, rel=0.05)
+    assert fitted.beta_s_per_byte == pytest.approx(beta, rel=0.05)
+    for n in sizes:  # the fit passes near its points
+        assert fitted.time(n) == pytest.approx(alpha + beta * n, rel=0.05)
+    # points that go down with size (a busy machine) give no negative latency or bandwidth
+    odd = fit_link([(4096, 2e-3), (262144, 1e-3)])
+    assert odd.alpha_s >= 0 and odd.beta_s_per_byte > 0
 
 
 def test_bench_cluster_without_root_says_so(monkeypatch):

@@ -9,7 +9,7 @@ import io
 import pytest
 
 from engine.comm.hosts import parse_hosts_text
-from poseidon_cli.launch import launcher
+from poseidon_cli.launch import launcher, tables
 from poseidon_cli.launch.config import JobConfig
 from poseidon_cli.launch.tables import resolve
 from poseidon_cli.train_cmd import parse_gpus
@@ -19,9 +19,9 @@ from tests.test_cli_caffe_habits import run
 def test_gpus_are_assigned_round_robin_per_machine():
     entries = parse_hosts_text("127.0.0.1:29000\n127.0.0.1:29002\n127.0.0.1:29004\n"
                                "192.0.2.7:29000\n192.0.2.7:29002\n")
-    assert launcher.assign_gpus(entries, (0, 1)) == {0: 0, 1: 1, 2: 0, 3: 0, 4: 1}
-    assert launcher.assign_gpus(entries, (0,)) == {r: 0 for r in range(5)}
-    assert launcher.assign_gpus(entries, None) == {r: None for r in range(5)}
+    assert tables.assign_gpus(entries, (0, 1)) == {0: 0, 1: 1, 2: 0, 3: 0, 4: 1}
+    assert tables.assign_gpus(entries, (0,)) == {r: 0 for r in range(5)}
+    assert tables.assign_gpus(entries, None) == {r: None for r in range(5)}
 
 
 def test_parse_gpus():

@@ -33,7 +33,7 @@ def layout_of(solver: Path) -> list:
     from engine.comm.bind import describe_net
     from engine.comm.codecs import Codec
     from engine.comm.planner import make_plan
-    from engine.comm.schemes.base import Unit
+    from engine.comm.units import Unit
     from engine.comm.schemes.ps import make_layout, unit_vectors
     from engine.context import RunContext
     from engine.solver import Solver

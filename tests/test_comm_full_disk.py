@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 
 import pytest
 
+from engine.comm.plan_file import read_plan
 from tests.test_comm_train import digits_db, poseidon, write_hosts, write_run  # noqa: F401
 
 
@@ -39,18 +39,20 @@ def test_a_snapshot_on_a_full_disk_names_enospc_and_the_path(workers, full_disk,
                                       f'snapshot_prefix: "{full_disk / "run"}"\nsnapshot: 10')
     assert "snapshot: 10" in text
     solver.write_text(text)
-    args = ["train", "--solver", str(solver), "--timeout", "60"]
+    # at once, not after --timeout: a run that waited for it would outlive the liveness bound
+    args = ["train", "--solver", str(solver), "--timeout", "600"]
     if workers > 1:
         hosts, _ = write_hosts(tmp_path, workers)
         args += ["--hosts", str(hosts)]
-    t0 = time.monotonic()
-    done = poseidon(*args, timeout=180)
-    took = time.monotonic() - t0
+    done = poseidon(*args, timeout=300)
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("poseidon: error:")]
     assert len(errors) == 1, done.stderr[-3000:]
     assert "No space left on device (ENOSPC)" in errors[0], errors
     assert str(full_disk / "run_iter_10.caffemodel") in errors[0], errors
     assert "Traceback" not in done.stderr
-    assert took < 30, took  # at once, not after --timeout 60
-    assert list(full_disk.iterdir()) == []  # no half-written snapshot
+    # no half-written snapshot: at most the plan rank 0 wrote at start, whole
+    left = list(full_disk.iterdir())
+    assert [p.name for p in left] in ([], ["run_plan.prototxt"]), left
+    for p in left:
+        assert read_plan(p).world_size == workers

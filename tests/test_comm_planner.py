@@ -9,7 +9,7 @@ from engine.comm.planner import (LayerInfo, cost_ps_node, cost_ps_worker, cost_r
                                  make_plan, plan_layers, plan_table)
 from engine.comm.schemes.base import Device
 from engine.comm.schemes.ps import PSParam, make_layout
-from engine.perf.link import Link
+from engine.comm.link import Link
 
 
 def fc(name, m, n, k, bias=False):

@@ -15,7 +15,7 @@ import pytest
 
 from engine.comm.codecs import Codec
 from engine.comm.planner import LayerInfo, cost_ps_node, cost_ps_worker, cost_sfb, make_plan
-from engine.comm.schemes.base import Unit
+from engine.comm.units import Unit
 from engine.comm.schemes.ps import make_layout, unit_vectors
 from engine.comm.shard import ShardServer
 from engine.comm.syncer import LayerSlot, ParamSlot, Syncer, open_worker

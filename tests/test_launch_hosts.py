@@ -9,7 +9,7 @@ import pytest
 from engine.comm.hosts import (DEFAULT_PORT, HostsError, machines, parse_hosts_text,
                                table_from_json, table_json)
 from engine.comm.transport import WORKER, peer_name
-from poseidon_cli.launch.launcher import gpus_of
+from poseidon_cli.launch.tables import gpus_of
 from poseidon_cli.launch.config import JobConfig
 from poseidon_cli.launch.tables import from_host_list, resolve
 

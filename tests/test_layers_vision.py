@@ -9,8 +9,11 @@ from google.protobuf import text_format
 from engine import backend
 from engine.blob import Blob
 from engine.layers import LayerError, create_layer
-from engine.layers import compiled
+from engine.kernels import cpu as compiled
+from engine.kernels import cuda
+from engine.kernels.geometry import Geometry, conv_out_size, pool_out_size
 from engine.layers import im2col as K
+from engine.layers import pool as P
 from engine.layers import vision as V
 from engine.pb import caffe_pb2
 from tests.gradcheck import check_layer_gradients, make_layer
@@ -537,8 +540,8 @@ def test_vision_layers_match_real_caffe(net):
 # ------------------------------------------------------------------ compiled CPU kernels
 
 def conv_geometry(c, h, w, kh, kw, sh, sw, ph, pw, dh, dw):
-    return K.Geometry(c, h, w, kh, kw, sh, sw, ph, pw, dh, dw, K.conv_out_size(h, kh, ph, sh, dh),
-                      K.conv_out_size(w, kw, pw, sw, dw))
+    return Geometry(c, h, w, kh, kw, sh, sw, ph, pw, dh, dw, conv_out_size(h, kh, ph, sh, dh),
+                      conv_out_size(w, kw, pw, sw, dw))
 
 
 @pytest.mark.skipif(not compiled.available(), reason="needs Numba (poseidon[fast])")
@@ -566,14 +569,14 @@ def test_compiled_max_pool_backward_equals_the_numpy_one(geo):
     kh, kw, sh, sw, ph, pw = geo
     n, c, h, w = 2, 3, 9, 10
     pad = bool(ph or pw)
-    g = K.Geometry(c, h, w, kh, kw, sh, sw, ph, pw, 1, 1, K.pool_out_size(h, kh, ph, sh, pad),
-                   K.pool_out_size(w, kw, pw, sw, pad))
+    g = Geometry(c, h, w, kh, kw, sh, sw, ph, pw, 1, 1, pool_out_size(h, kh, ph, sh, pad),
+                   pool_out_size(w, kw, pw, sw, pad))
     rng = np.random.default_rng(0)
     x = np.round(rng.standard_normal((n, c, h, w)) * 2).astype(np.float32) / 2  # with ties
-    _, arg = K.max_pool_forward(x, g)
+    _, arg = P.max_pool_forward(x, g)
     dy = rng.standard_normal(arg.shape).astype(np.float32)
     want, got = np.empty_like(x), np.empty_like(x)
-    K._max_pool_backward_cpu(dy, arg, g, want)
+    P._max_pool_backward_cpu(dy, arg, g, want)
     compiled.max_pool_backward(dy, arg, g, got)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     if kh <= sh and kw <= sw:  # no overlap: one term per input, so equal to the bit
@@ -602,7 +605,7 @@ def cuda_source_on_cpu(tmp_path_factory):
     if compiler is None:
         pytest.skip("needs g++ to run the CUDA kernel source on the CPU")
     work = tmp_path_factory.mktemp("kernels")
-    (work / "k.cpp").write_text(_EMULATION_PRELUDE + K._GPU_SOURCE)
+    (work / "k.cpp").write_text(_EMULATION_PRELUDE + cuda.SOURCE)
     subprocess.run([compiler, "-O1", "-shared", "-fPIC", "-o", str(work / "k.so"),
                     str(work / "k.cpp")], check=True)
     return ctypes.CDLL(str(work / "k.so"))
@@ -641,26 +644,26 @@ def test_gpu_pool_kernels_on_cpu(cuda_source_on_cpu, geo):
     kh, kw, sh, sw, ph, pw = geo
     n, c, h, w = 2, 3, 6, 7
     pad = bool(ph or pw)
-    g = K.Geometry(c, h, w, kh, kw, sh, sw, ph, pw, 1, 1, K.pool_out_size(h, kh, ph, sh, pad),
-                   K.pool_out_size(w, kw, pw, sw, pad))
+    g = Geometry(c, h, w, kh, kw, sh, sw, ph, pw, 1, 1, pool_out_size(h, kh, ph, sh, pad),
+                   pool_out_size(w, kw, pw, sw, pad))
     dims = (c, h, w, kh, kw, sh, sw, ph, pw, g.out_h, g.out_w)
     rng = np.random.default_rng(0)
     x = np.round(rng.standard_normal((n, c, h, w)) * 2) / 2  # ties: first in scan order wins
     lib = cuda_source_on_cpu
-    top, arg = K.max_pool_forward(x, g)
+    top, arg = P.max_pool_forward(x, g)
     gtop, garg = np.empty(top.shape), np.empty(top.shape, dtype=np.int32)
     lib.max_pool_forward(*_c_args(x, gtop, garg, np.int64(gtop.size), *dims))
     np.testing.assert_array_equal(gtop, top)
-    np.testing.assert_array_equal(garg, K.max_pool_mask(arg, g))
+    np.testing.assert_array_equal(garg, P.max_pool_mask(arg, g))
     dy = rng.standard_normal(top.shape)
     dx, gdx = np.empty_like(x), np.empty_like(x)
-    K.max_pool_backward(dy, arg, g, dx)
+    P.max_pool_backward(dy, arg, g, dx)
     lib.max_pool_backward(*_c_args(dy, garg, gdx, np.int64(gdx.size), *dims))
     np.testing.assert_allclose(gdx, dx, rtol=1e-12, atol=1e-12)
     gave = np.empty(top.shape)
     lib.ave_pool_forward(*_c_args(x, gave, np.int64(gave.size), *dims))
-    np.testing.assert_allclose(gave, K.ave_pool_forward(x, g), rtol=1e-12)
-    K.ave_pool_backward(dy, g, dx)
+    np.testing.assert_allclose(gave, P.ave_pool_forward(x, g), rtol=1e-12)
+    P.ave_pool_backward(dy, g, dx)
     lib.ave_pool_backward(*_c_args(dy, gdx, np.int64(gdx.size), *dims))
     np.testing.assert_allclose(gdx, dx, rtol=1e-12, atol=1e-12)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine.blob import Blob
-from engine.layers import compiled
+from engine.kernels import cpu as compiled
 from engine.layers import winograd
 from tests.gradcheck import check_layer_gradients, make_layer
 

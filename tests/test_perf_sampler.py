@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.perf.cluster import Sampler, utilisation
+from poseidon_cli.benches.cluster import Sampler, utilisation
 
 
 def sampled(points: list[tuple[float, list[int]]]) -> Sampler:

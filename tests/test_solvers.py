@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from engine.pb import caffe_pb2
-from engine.layers import compiled
+from engine.kernels import cpu as compiled
 from engine.solvers import (RULES, SolverError, check_lr_policy, clip_scale, learning_rate,
                             make_rule, normalize, regularize, solver_type)
 

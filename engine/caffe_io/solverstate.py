@@ -38,6 +38,8 @@ def read_solverstate(path: PathLike) -> caffe_pb2.SolverState:
                 state.history.add().CopyFrom(array_to_blob(np.asarray(history[str(i)][()])))
             if "data_position" in f:
                 state.data_position.extend(int(v) for v in np.asarray(f["data_position"][()]))
+            if "sync_state" in f:
+                state.sync_state = bytes(np.asarray(f["sync_state"][()]).tobytes())
         return state
     state = caffe_pb2.SolverState()
     parse_binary(read_bytes(path), state, path, "solverstate")
@@ -51,7 +53,8 @@ def solverstate_history(state: caffe_pb2.SolverState) -> list[np.ndarray]:
 
 
 def write_solverstate(path: PathLike, state: caffe_pb2.SolverState) -> None:
-    """Binary, or Caffe's HDF5 keys (iter, learned_net, current_step, history/<i>) for *.h5."""
+    """Binary, or Caffe's HDF5 keys (iter, learned_net, current_step, history/<i>) for *.h5
+    (and Poseidon's data_position and sync_state, which Caffe ignores)."""
     if format_by_name(path) != "hdf5":
         atomic_write_bytes(path, state.SerializeToString())
         return
@@ -65,6 +68,8 @@ def write_solverstate(path: PathLike, state: caffe_pb2.SolverState) -> None:
             g.create_dataset(str(i), data=arr)
         if len(state.data_position):
             f.create_dataset("data_position", data=np.array(state.data_position, dtype=np.int64))
+        if state.sync_state:
+            f.create_dataset("sync_state", data=np.frombuffer(state.sync_state, np.uint8))
 
 
 def resolve_learned_net(state_path: PathLike, state: caffe_pb2.SolverState) -> Path:

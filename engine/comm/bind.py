@@ -1,11 +1,11 @@
 """The adapter between a Net and the communicator: which arrays each layer synchronises.
 
 engine.comm never imports a layer class and never reads a layer's protobuf. It looks at a
-built Net duck-typed: the learnable parameters each layer owns, and whether a layer hands out
-sufficient factors (``layer.factor_spec()``: the InnerProduct contract, K rows, M inputs, N
-outputs and the orientation of the weight; ``layer.sufficient_factors()`` after a backward;
-``layer.defer_weight_gradient``, which spares the layer's own weight-gradient GEMM when SFB
-rebuilds it).
+built Net: the learnable parameters each layer owns, and whether a layer declares the
+sufficient-factor contract (engine/factors.py: ``factor_spec()``, K rows, M inputs, N outputs
+and the orientation of the weight; ``sufficient_factors()`` after a backward;
+``defer_weight_gradient``, which spares the layer's own weight-gradient GEMM when SFB rebuilds
+it).
 """
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from engine.factors import FactorSpec, SufficientFactors
+
 from .planner import LayerInfo
-from .schemes.base import LayerSlot, ParamSlot
+from .units import LayerSlot, ParamSlot
 
 
 def describe_net(net: Any) -> tuple[dict[int, LayerSlot], list[LayerInfo]]:
@@ -50,21 +52,20 @@ def describe_net(net: Any) -> tuple[dict[int, LayerSlot], list[LayerInfo]]:
     return slots, infos
 
 
-def _deferrer(layer: Any) -> Any:
+def _deferrer(layer: SufficientFactors) -> Any:
     def defer(on: bool) -> None:
         layer.defer_weight_gradient = on
     return defer
 
 
-def _factor_spec(net: Any, li: int, layer: Any, blobs: list[Any], uses: dict[int, int]) -> Any:
-    """The layer's factor spec when its gradients can be rebuilt from sufficient factors."""
-    spec = layer.factor_spec() if hasattr(layer, "factor_spec") else None
-    if spec is None or not 1 <= len(blobs) <= 2:
+def _factor_spec(net: Any, li: int, layer: Any, blobs: list[Any],
+                 uses: dict[int, int]) -> FactorSpec | None:
+    """The layer's factor spec when its gradients can be rebuilt from sufficient factors: it
+    declares the contract, owns its one or two blobs alone, and computes their gradients."""
+    if not isinstance(layer, SufficientFactors) or not 1 <= len(blobs) <= 2:
         return None
     if any(uses.get(id(b), 0) != 1 for b in blobs):
         return None
-    if not all(getattr(layer, "param_propagate_down", [True] * len(blobs))):
+    if not all(layer.param_propagate_down) or not net.layer_need_backward[li]:
         return None
-    if hasattr(net, "layer_need_backward") and not net.layer_need_backward[li]:
-        return None
-    return spec
+    return layer.factor_spec()

@@ -26,7 +26,8 @@ import numpy as np
 from engine.pb import poseidon_pb2 as pb
 
 from .schemes import Scheme
-from .schemes.base import (DenseScheme, Device, LayerTiming, Unit, arrays_are, split)
+from .schemes.base import DenseScheme, Device, LayerTiming, arrays_are
+from .units import Unit, split
 from .transport import WORKER, Message, PeerId
 
 RS, AG = 0, 1

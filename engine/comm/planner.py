@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from engine.pb import poseidon_pb2 as pb
-from engine.perf.link import Link
+from .link import Link
 
 from .codecs import make_codec
 from .fusion import buckets
@@ -279,13 +279,93 @@ class Plan:
     local_link: Link = DEFAULT_LOCAL_LINK
     #: this job's own: what a scheme creates outside the process is named by it (shm)
     nonce: bytes = field(default_factory=lambda: os.urandom(16))
+    #: the --comm it was made with
+    comm: str = "auto"
+
+    @property
+    def world(self) -> int:
+        return self.layers[0].world if self.layers else 0
 
     def to_pb(self) -> pb.Plan:
-        return pb.Plan(units=[pb.UnitPlan(layers=l, scheme=s) for l, s in self.units],
+        names = {p.info.layer: p.info.name for p in self.layers}
+        return pb.Plan(units=[pb.UnitPlan(layers=l, scheme=s, names=[names[i] for i in l])
+                              for l, s in self.units],
                        alpha_s=self.link.alpha_s, beta_s_per_byte=self.link.beta_s_per_byte,
                        codec=self.codec, sparse_ratio=self.sparse_ratio,
                        sparse_warmup=self.sparse_warmup, sparse_momentum=self.sparse_momentum,
-                       nonce=self.nonce)
+                       nonce=self.nonce, world_size=self.world, slots=self.slots,
+                       comm=self.comm)
+
+    def why(self) -> str:
+        """How the plan was chosen, for the log's one line."""
+        mode = split_comm(self.comm)[0]
+        if mode == "auto":
+            k = self.link
+            return (f"auto: the fastest scheme per layer by the cost model, fusion priced in, "
+                    f"for a link of {k.bits_per_s / 1e9:.2f} Gbit/s and {k.alpha_s * 1e6:.0f} us "
+                    f"({k.source.split(' (')[0]})")
+        if mode == "hybrid":
+            return "hybrid: SFB where it moves fewer bytes than PS, else PS"
+        return f"--comm {mode}: wherever the layer allows it, else PS"
+
+    def summary(self) -> str:
+        """Each unit's layers and scheme, in release order: 'ip2 sfb; conv1+ip1 ring'."""
+        names = {p.info.layer: p.info.name for p in self.layers}
+        shown = [f"{'+'.join(names[l] for l in ls)} {s}" for ls, s in self.units[:SUMMARY_UNITS]]
+        more = len(self.units) - SUMMARY_UNITS
+        return "; ".join(shown) + (f"; and {more} more units" if more > 0 else "")
+
+
+#: units named in a plan's one-line summary (the table, at start-up and in --stats, has all)
+SUMMARY_UNITS = 8
+
+
+class PlanMismatch(ValueError):
+    """A recorded plan that does not fit this run: other workers, machines, wire or net."""
+
+
+def pin_plan(recorded: pb.Plan, layers: Sequence[LayerInfo], world: int, codec: str = "fp32",
+             allow_sfb: bool = True, device: Device | None = None,
+             chunk_bytes: int = DEFAULT_CHUNK_BYTES, slots: int = 1,
+             local_link: Link | None = None, machines: int | None = None,
+             sparse: tuple[float, int, float] = (0.0, 0, 0.0)) -> Plan:
+    """The plan ``recorded`` (a snapshot's, or a --plan file's) for this run: its schemes and
+    units exactly, priced on the link it was made for (for the table). PlanMismatch says why
+    it cannot be followed here. ``sparse``: this run's (ratio, warmup, momentum)."""
+    if recorded.world_size != world:
+        raise PlanMismatch(f"it was made for {recorded.world_size} workers, this run has {world}")
+    if max(recorded.slots, 1) != slots:
+        raise PlanMismatch(f"it reduces inside machines of {max(recorded.slots, 1)} workers, "
+                           f"this run's machines run {slots}")
+    if (recorded.codec or "fp32") != codec:
+        raise PlanMismatch(f"it sends {recorded.codec or 'fp32'} gradients, this run {codec}")
+    by_index = {i.layer: i for i in layers}
+    given: dict[str, str] = {}
+    for u in recorded.units:
+        for k, index in enumerate(u.layers):
+            info = by_index.get(index)
+            name = u.names[k] if k < len(u.names) else ""
+            if info is None or (name and name != info.name) or info.name in given:
+                raise PlanMismatch(f"its layer {name or index} (index {index}) is not a layer "
+                                   "with parameters of this net, or is named twice")
+            if u.scheme not in SCHEMES or not SCHEMES[u.scheme].applies(info):
+                raise PlanMismatch(f"its scheme {u.scheme!r} cannot synchronise {info.name}")
+            given[info.name] = u.scheme
+    missing = [i.name for i in layers if i.name not in given]
+    if missing:
+        raise PlanMismatch(f"it gives no scheme to {', '.join(missing)}")
+    link = Link(recorded.alpha_s, recorded.beta_s_per_byte, "the link the plan was made for")
+    comm = ",".join(["auto", *(f"{n}={s}" for n, s in given.items())])
+    try:
+        plans = plan_layers(layers, world, comm, allow_sfb, link, device, chunk_bytes,
+                            2 if codec == "fp16" else 4, slots, local_link, machines)
+    except ValueError as e:
+        raise PlanMismatch(str(e).replace(f"--comm {comm!r}: ", "")) from None
+    for p in plans:
+        p.reason = "pinned"
+    units = [(list(u.layers), u.scheme) for u in recorded.units]
+    return Plan(plans, units, link, codec, *sparse, slots, local_link or DEFAULT_LOCAL_LINK,
+                comm=recorded.comm or "auto")
 
 
 def make_plan(layers: Sequence[LayerInfo], world: int, comm: str = "auto",
@@ -311,13 +391,13 @@ def make_plan(layers: Sequence[LayerInfo], world: int, comm: str = "auto",
                      for p in plans],
                     fusion_bytes, fusion_s, backward_s)
     return Plan(plans, units, link, codec, sparse_ratio, sparse_warmup, sparse_momentum, slots,
-                local_link or DEFAULT_LOCAL_LINK)
+                local_link or DEFAULT_LOCAL_LINK, comm=comm)
 
 
 def plan_table(plan: Plan | Sequence[LayerPlan], p1: int) -> str:
     """The plan as the text table rank 0 prints at start-up, with predicted times."""
     plans = plan.layers if isinstance(plan, Plan) else list(plan)
-    head = f"Communication plan: {p1} workers, {p1} server shards"
+    head = f"Plan table: {p1} workers, {p1} server shards"
     if isinstance(plan, Plan) and plan.slots > 1:
         head += (f"; {p1 // plan.slots} machines of {plan.slots}, reducing inside each machine "
                  f"first (alpha {plan.local_link.alpha_s * 1e6:.1f} us, "

@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from engine.pb import poseidon_pb2 as pb
-from engine.perf.link import Link
+from .link import Link
 
 from .schemes.base import Device
 from .transport import PROBE_ASK, Endpoint, PeerId, header, message_key

@@ -31,7 +31,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import zmq
 
-from engine import backend
+from engine.allocator import tune_allocator
 from engine.pb import poseidon_pb2 as pb
 
 from .auth import Signer, Verifier
@@ -97,8 +97,6 @@ def header(kind: int, **fields: object) -> pb.Header:
     return pb.Header(kind=kind, **fields)
 
 
-#: Header.phase of a codec's index vectors (sparse's chunk norms); every other phase is values
-INDEX_PHASE = 1
 
 
 def ipc_address(host: str, port: int) -> str:
@@ -120,7 +118,7 @@ def byte_tag(hdr: pb.Header) -> str | None:
     '<scheme>/index' for a codec's index vectors. None: not counted (control traffic)."""
     if hdr.kind != pb.DATA:
         return None
-    return f"{hdr.scheme}/index" if hdr.phase == INDEX_PHASE else hdr.scheme
+    return f"{hdr.scheme}/index" if hdr.phase == pb.PHASE_INDEX else hdr.scheme
 
 
 class Endpoint:
@@ -160,7 +158,7 @@ class Endpoint:
         #: True when the error came in an ABORT (some other process reports it first-hand)
         self.error_from_peer = False
         self._exit_timer: threading.Timer | None = None
-        backend.tune_allocator()  # before the context's I/O thread allocates messages
+        tune_allocator()  # before the context's I/O thread allocates messages
         self._ctx = zmq.Context()
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()

@@ -5,7 +5,8 @@ from .base import Layer, LayerError, create_layer, layer_class, register, regist
 
 # Each family module registers its classes on import; this list is the one place that
 # knows which modules exist. The data layers live with the rest of the data code.
-for _mod in (".input", ".vision", ".lrn", ".neuron", ".common", ".loss", ".normalization",
+for _mod in (".input", ".vision", ".lrn", ".neuron", ".common", ".inner_product", ".loss",
+             ".normalization",
              ".python_layer", ".recurrent",
              "engine.data.layers"):
     _importlib.import_module(_mod, __name__)

@@ -1,22 +1,19 @@
-"""Caffe's "common" layers: InnerProduct, Concat, Slice, Split, Flatten, Reshape, Eltwise,
-Softmax, Silence, ArgMax, Tile, Reduction, Parameter, BatchReindex, Filter and Embed.
+"""Caffe's "common" layers: Concat, Slice, Split, Flatten, Reshape, Eltwise, Softmax, Silence,
+ArgMax, Tile, Reduction, Parameter, BatchReindex, Filter and Embed (InnerProduct, with its
+sufficient factors, is inner_product.py).
 
 Every layer computes what BVLC Caffe 1.0 computes, with one array code path for NumPy
 and CuPy (``xp``). Reshape and Flatten do not copy: their top is a view of the bottom.
-InnerProduct also hands the distributed communicator the two *sufficient factors* of its
-weight gradient (see ``InnerProductLayer.sufficient_factors``).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .. import backend
 from ..blob import Blob
 from ..fillers import fill
 from .base import Layer, register
-from .blas import accumulate_matmul
 
 
 def softmax(x: Any, axis: int, out: Any) -> Any:
@@ -45,133 +42,15 @@ def _legacy_axis(layer: Layer, blob: Blob, param: Any, legacy: str) -> int:
         if not 0 <= value < blob.num_axes():
             raise layer.fail(f"{legacy} {value} out of range for bottom shape {blob.shape}")
         return value
-    return _canonical(layer, blob, param.axis)
+    return canonical_axis(layer, blob, param.axis)
 
 
-def _canonical(layer: Layer, blob: Blob, axis: int) -> int:
+def canonical_axis(layer: Layer, blob: Blob, axis: int) -> int:
+    """``axis`` counted from 0 on ``blob``, or the layer's error naming the shape."""
     try:
         return blob.canonical_axis(axis)
     except ValueError:
         raise layer.fail(f"axis {axis} out of range for bottom shape {blob.shape}") from None
-
-
-# ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class FactorSpec:
-    """An InnerProduct's weight gradient as sufficient factors: u (k x n, the top diff) and v
-    (k x m, the bottom data); the gradient is uᵀ·v, or vᵀ·u when ``transposed`` (the weight is
-    m x n)."""
-    k: int
-    m: int
-    n: int
-    transposed: bool
-
-
-@register("InnerProduct", "INNER_PRODUCT")
-class InnerProductLayer(Layer):
-    """Fully connected: ``top = bottom · Wᵀ + b`` with the bottom flattened at ``axis`` to
-    a (K, M) matrix (K rows = product of the dims before ``axis``, M inputs = product of the
-    rest; DESIGN.md's names). W has shape (N, M) for N = num_output, or (M, N) with
-    ``transpose: true`` (then ``top = bottom · W``).
-    """
-
-    exact_num_bottoms = 1
-    exact_num_tops = 1
-
-    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        p = self.param.inner_product_param
-        if p.num_output <= 0:
-            raise self.fail("inner_product_param.num_output must be positive")
-        self.num_output = p.num_output
-        self.bias_term = p.bias_term
-        self.transpose = p.transpose
-        self.axis = _canonical(self, bottom[0], p.axis)
-        self.inputs = bottom[0].count_range(self.axis)
-        xp = backend.get_array_module(bottom[0].data)
-        dtype = bottom[0].dtype
-        w_shape = ((self.inputs, self.num_output) if self.transpose
-                   else (self.num_output, self.inputs))
-        self.blobs = [Blob(w_shape, dtype=dtype, xp=xp, name=f"{self.name}/0")]
-        fill(p.weight_filler, self.blobs[0])
-        if self.bias_term:
-            self.blobs.append(Blob((self.num_output,), dtype=dtype, xp=xp, name=f"{self.name}/1"))
-            fill(p.bias_filler, self.blobs[1])
-        self.param_propagate_down = [True] * len(self.blobs)
-        self._factors: tuple[Any, Any] | None = None
-        self._scratch: dict[str, Any] = {}
-        #: set by a communicator that rebuilds the weight gradient from the sufficient factors
-        #: (SFB): backward then skips its weight-gradient GEMM, the largest product in it
-        self.defer_weight_gradient = False
-
-    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        inputs = bottom[0].count_range(self.axis)
-        if inputs != self.inputs:
-            raise self.fail(f"input size incompatible with inner product parameters: bottom "
-                            f"shape {bottom[0].shape} gives {inputs} inputs per row at axis "
-                            f"{self.axis}, the weights expect {self.inputs}")
-        self.rows = bottom[0].count_range(0, self.axis)
-        top[0].reshape(bottom[0].shape[:self.axis] + (self.num_output,))
-
-    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        xp = backend.get_array_module(bottom[0].data)
-        x = bottom[0].data.reshape(self.rows, self.inputs)
-        w = self.blobs[0].data
-        y = top[0].data.reshape(self.rows, self.num_output)
-        xp.matmul(x, w if self.transpose else w.T, out=y)
-        if self.bias_term:
-            y += self.blobs[1].data
-
-    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
-                 bottom: Sequence[Blob]) -> None:
-        xp = backend.get_array_module(top[0].diff)
-        dy = top[0].diff.reshape(self.rows, self.num_output)
-        x = bottom[0].data.reshape(self.rows, self.inputs)
-        w = self.blobs[0]
-        self._factors = None
-        if self.param_propagate_down[0] and self.defer_weight_gradient:
-            self.remember_factors(top, bottom)
-        elif self.param_propagate_down[0]:
-            # dW += dyᵀ·x (or its transpose), accumulated as Caffe's GEMM with beta = 1
-            # (engine/layers/blas.py): no weight-sized temporary where BLAS allows
-            if self.transpose:
-                accumulate_matmul(x.T, dy, w.diff, self._scratch)
-            else:
-                accumulate_matmul(dy.T, x, w.diff, self._scratch)
-            self.remember_factors(top, bottom)
-        if self.bias_term and self.param_propagate_down[1]:
-            self.blobs[1].diff += dy.sum(axis=0)
-        if propagate_down[0]:
-            dx = bottom[0].diff.reshape(self.rows, self.inputs)
-            xp.matmul(dy, w.data.T if self.transpose else w.data, out=dx)
-
-    def remember_factors(self, top: Sequence[Blob], bottom: Sequence[Blob]) -> None:
-        """This pass's (top diff, bottom data) as the factors; backward calls it, and so does
-        replayed compute (engine/perf/replay.py), which computes no gradient."""
-        self._factors = (top[0].diff.reshape(self.rows, self.num_output),
-                         bottom[0].data.reshape(self.rows, self.inputs))
-
-    def factor_spec(self) -> FactorSpec:
-        """The shapes and orientation of the sufficient factors (after reshape)."""
-        return FactorSpec(self.rows, self.inputs, self.num_output, bool(self.transpose))
-
-    def sufficient_factors(self) -> tuple[Any, Any]:
-        """The two factors of the weight gradient the last ``backward`` added.
-
-        In DESIGN.md's notation (batch rows K, num_output N, inputs per row M) this returns
-        ``(u, v)`` with ``u`` the top diff as a (K, N) matrix and ``v`` the bottom data as a
-        (K, M) matrix, the batch dims before ``axis`` flattened into K. Without
-        ``transpose`` the weight is (N, M) and the gradient this backward added to it is
-        ``uᵀ · v``; with ``transpose: true`` the weight is (M, N) and the gradient added is
-        ``vᵀ · u``. None of it includes the bias gradient (the sum of ``u``'s rows).
-
-        Both are views of the blobs' arrays, not copies: they stay valid until the next
-        forward writes the bottom (or the next backward writes the top diff). A caller that
-        keeps them longer must copy them.
-        """
-        if self._factors is None:
-            raise self.fail("sufficient_factors() needs a backward pass that computed the "
-                            "weight gradient (param_propagate_down[0]) first")
-        return self._factors
 
 
 # ---------------------------------------------------------------------------------------
@@ -331,8 +210,8 @@ class FlattenLayer(_ViewLayer):
 
     def top_shape(self, bottom: Blob) -> tuple[int, ...]:
         p = self.param.flatten_param
-        start = _canonical(self, bottom, p.axis)
-        end = _canonical(self, bottom, p.end_axis)
+        start = canonical_axis(self, bottom, p.axis)
+        end = canonical_axis(self, bottom, p.end_axis)
         if end < start:
             raise self.fail(f"end_axis {p.end_axis} comes before axis {p.axis} "
                             f"for bottom shape {bottom.shape}")
@@ -479,7 +358,7 @@ class SoftmaxLayer(Layer):
     exact_num_tops = 1
 
     def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        self.axis = _canonical(self, bottom[0], self.param.softmax_param.axis)
+        self.axis = canonical_axis(self, bottom[0], self.param.softmax_param.axis)
 
     def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
         top[0].reshape(bottom[0].shape)
@@ -535,7 +414,7 @@ class ArgMaxLayer(Layer):
         p = self.param.argmax_param
         self.out_max_val = p.out_max_val
         self.top_k = p.top_k
-        self.axis = _canonical(self, bottom[0], p.axis) if p.HasField("axis") else None
+        self.axis = canonical_axis(self, bottom[0], p.axis) if p.HasField("axis") else None
         if self.top_k < 1:
             raise self.fail("argmax_param.top_k must be at least 1")
         span = bottom[0].shape[self.axis] if self.axis is not None else bottom[0].count_range(1)
@@ -619,7 +498,7 @@ class TileLayer(Layer):
         self.tiles = p.tiles
 
     def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        axis = _canonical(self, bottom[0], self.param.tile_param.axis)
+        axis = canonical_axis(self, bottom[0], self.param.tile_param.axis)
         s = bottom[0].shape
         self.outer, self.inner = bottom[0].count_range(0, axis), bottom[0].count_range(axis)
         top[0].reshape(s[:axis] + (s[axis] * self.tiles,) + s[axis + 1:])
@@ -652,7 +531,7 @@ class ReductionLayer(Layer):
 
     def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
         p = self.param.reduction_param
-        axis = _canonical(self, bottom[0], p.axis)
+        axis = canonical_axis(self, bottom[0], p.axis)
         self.num, self.dim = bottom[0].count_range(0, axis), bottom[0].count_range(axis)
         top[0].reshape(bottom[0].shape[:axis])
         self.coeff = float(p.coeff)

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 from .. import backend
 from ..blob import Blob
 from ..pb import caffe_pb2
-from . import compiled
+from ..kernels import cpu as compiled
 from .base import Layer, register
 
 _LRN = caffe_pb2.LRNParameter

@@ -13,8 +13,10 @@ import numpy as np
 
 from .. import backend, fillers
 from ..blob import Blob
+from ..kernels.geometry import Geometry, conv_out_size, pool_out_size
 from ..pb import caffe_pb2
 from . import im2col as K
+from . import pool
 from . import winograd
 from .base import Layer, LayerError, register
 
@@ -147,12 +149,12 @@ class _BaseConvolution(Layer):
             out_h = sh * (height - 1) + dh * (kh - 1) + 1 - 2 * ph
             out_w = sw * (width - 1) + dw * (kw - 1) + 1 - 2 * pw
             # the columns live on the top: the bottom is the grid of window positions
-            self.geometry = K.Geometry(self.num_output, out_h, out_w, kh, kw, sh, sw, ph, pw,
+            self.geometry = Geometry(self.num_output, out_h, out_w, kh, kw, sh, sw, ph, pw,
                                        dh, dw, height, width)
         else:
-            out_h = K.conv_out_size(height, kh, ph, sh, dh)
-            out_w = K.conv_out_size(width, kw, pw, sw, dw)
-            self.geometry = K.Geometry(self.channels, height, width, kh, kw, sh, sw, ph, pw,
+            out_h = conv_out_size(height, kh, ph, sh, dh)
+            out_w = conv_out_size(width, kw, pw, sw, dw)
+            self.geometry = Geometry(self.channels, height, width, kh, kw, sh, sw, ph, pw,
                                        dh, dw, out_h, out_w)
         if out_h <= 0 or out_w <= 0:
             raise self.fail(f"output size {out_h}x{out_w} is not positive for input "
@@ -379,22 +381,22 @@ class PoolingLayer(Layer):
         kernel = (h, w) if self.global_pooling else self.kernel
         (kh, kw), (ph, pw), (sh, sw) = kernel, self.pad, self.stride
         any_pad = ph != 0 or pw != 0
-        out_h = K.pool_out_size(h, kh, ph, sh, any_pad)
-        out_w = K.pool_out_size(w, kw, pw, sw, any_pad)
+        out_h = pool_out_size(h, kh, ph, sh, any_pad)
+        out_w = pool_out_size(w, kw, pw, sw, any_pad)
         if out_h <= 0 or out_w <= 0:
             raise self.fail(f"kernel {kernel} is larger than the padded input {h}x{w}")
-        self.geometry = K.Geometry(c, h, w, kh, kw, sh, sw, ph, pw, 1, 1, out_h, out_w)
+        self.geometry = Geometry(c, h, w, kh, kw, sh, sw, ph, pw, 1, 1, out_h, out_w)
         for t in top:
             t.reshape((n, c, out_h, out_w))
 
     def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
         x = bottom[0].data
         if self.method == _POOL.MAX:
-            out, self.argmax = K.max_pool_forward(x, self.geometry)
+            out, self.argmax = pool.max_pool_forward(x, self.geometry)
             if len(top) > 1:
-                top[1].data[...] = K.max_pool_mask(self.argmax, self.geometry)
+                top[1].data[...] = pool.max_pool_mask(self.argmax, self.geometry)
         else:
-            out = K.ave_pool_forward(x, self.geometry)
+            out = pool.ave_pool_forward(x, self.geometry)
         top[0].data[...] = out
 
     def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
@@ -403,9 +405,9 @@ class PoolingLayer(Layer):
             return
         dy = top[0].diff
         if self.method == _POOL.MAX:
-            K.max_pool_backward(dy, self.argmax, self.geometry, bottom[0].diff)
+            pool.max_pool_backward(dy, self.argmax, self.geometry, bottom[0].diff)
         else:
-            K.ave_pool_backward(dy, self.geometry, bottom[0].diff)
+            pool.ave_pool_backward(dy, self.geometry, bottom[0].diff)
 
 
 @register("Crop")
@@ -578,13 +580,13 @@ class Im2colLayer(Layer):
         channels, height, width = shape[ax:]
         (kh, kw), (ph, pw) = self.kernel, self.pad
         (sh, sw), (dh, dw) = self.stride, self.dilation
-        out_h = K.conv_out_size(height, kh, ph, sh, dh)
-        out_w = K.conv_out_size(width, kw, pw, sw, dw)
+        out_h = conv_out_size(height, kh, ph, sh, dh)
+        out_w = conv_out_size(width, kw, pw, sw, dw)
         if out_h <= 0 or out_w <= 0:
             raise self.fail(f"output size {out_h}x{out_w} is not positive for input "
                             f"{height}x{width} (kernel {self.kernel}, pad {self.pad}, "
                             f"stride {self.stride}, dilation {self.dilation})")
-        self.geometry = K.Geometry(channels, height, width, kh, kw, sh, sw, ph, pw, dh, dw,
+        self.geometry = Geometry(channels, height, width, kh, kw, sh, sw, ph, pw, dh, dw,
                                    out_h, out_w)
         self.num = bottom[0].count_range(0, ax)
         top[0].reshape((*shape[:ax], self.geometry.col_rows, out_h, out_w))

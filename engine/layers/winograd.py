@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from . import compiled
-from .compiled import _flat, _inline, _jit, _out
+from ..kernels import cpu as compiled
+from ..kernels.cpu import flat, flat_out, inline, jit
 
 #: the filter transform G (4x3) as one (16, 9) matrix acting on a flattened 3x3 filter
 _G = np.array([[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]])
@@ -54,11 +54,11 @@ def suits(geometry: Any, channels_per_group: int, images: int) -> bool:
 
 
 # ------------------------------------------------------------------------- compiled kernels
-# Flat C-contiguous arrays with unsigned indices, as in compiled.py, so LLVM vectorises the
+# Flat C-contiguous arrays with unsigned indices, as in engine/kernels/cpu.py, so LLVM vectorises the
 # inner loops; each inner loop reads and writes at most four streams (with sixteen, LLVM's
 # aliasing checks gave up and a transform ran 5x slower).
 
-@_inline
+@inline
 def _bt(src, s0, s1, s2, s3, dst, d0, step, count):  # pragma: no cover - compiled
     # dst[d0 + k*step + t], k = 0..3, = B^T applied to the four source streams
     s0, s1, s2, s3 = np.uint64(s0), np.uint64(s1), np.uint64(s2), np.uint64(s3)
@@ -72,7 +72,7 @@ def _bt(src, s0, s1, s2, s3, dst, d0, step, count):  # pragma: no cover - compil
         dst[d3 + t] = x1 - x3
 
 
-@_inline
+@inline
 def _bt_adjoint(src, s0, step, dst, d0, d1, d2, d3, count):  # pragma: no cover - compiled
     # the transpose of _bt: dst streams d0..d3 += B applied to src[s0 + k*step + t]
     s1, s2, s3 = np.uint64(s0 + step), np.uint64(s0 + 2 * step), np.uint64(s0 + 3 * step)
@@ -86,7 +86,7 @@ def _bt_adjoint(src, s0, step, dst, d0, d1, d2, d3, count):  # pragma: no cover 
         dst[d3 + t] -= o3
 
 
-@_jit
+@jit
 def _tiles(xt, tmp, v, adjoint, channels, th, tw, n):  # pragma: no cover - compiled
     # xt (C, 2th+2, 2tw+2, n) <-> v (16, C, th, tw, n): B^T d B of every 4x4 tile (stride 2),
     # rows then columns through tmp (4, C, th, 2tw+2, n); the adjoint goes back the same way
@@ -112,7 +112,7 @@ def _tiles(xt, tmp, v, adjoint, channels, th, tw, n):  # pragma: no cover - comp
         _tile_columns(tmp, v, False, channels, th, tw, n, row, plane)
 
 
-@_inline
+@inline
 def _tile_columns(tmp, v, adjoint, channels, th, tw, n, row, plane):  # pragma: no cover
     for a in range(4):
         for c in range(channels):
@@ -126,7 +126,7 @@ def _tile_columns(tmp, v, adjoint, channels, th, tw, n, row, plane):  # pragma: 
                         _bt(tmp, s, s + n, s + 2 * n, s + 3 * n, v, d, plane, n)
 
 
-@_inline
+@inline
 def _at(src, s0, step, dst, d0, d1, count):  # pragma: no cover - compiled
     # dst streams d0, d1 = A^T applied to src[s0 + k*step + t], k = 0..3
     s1, s2, s3 = np.uint64(s0 + step), np.uint64(s0 + 2 * step), np.uint64(s0 + 3 * step)
@@ -137,7 +137,7 @@ def _at(src, s0, step, dst, d0, d1, count):  # pragma: no cover - compiled
         dst[d1 + t] = x1 - x2 - x3
 
 
-@_inline
+@inline
 def _at_adjoint(src, s0, s1, dst, d0, step, count):  # pragma: no cover - compiled
     # the transpose of _at: dst[d0 + k*step + t], k = 0..3, = A applied to streams s0, s1
     d1, d2, d3 = np.uint64(d0 + step), np.uint64(d0 + 2 * step), np.uint64(d0 + 3 * step)
@@ -150,7 +150,7 @@ def _at_adjoint(src, s0, s1, dst, d0, step, count):  # pragma: no cover - compil
         dst[d3 + t] = -y1
 
 
-@_jit
+@jit
 def _outputs(m, tmp, yt, adjoint, k_, th, tw, n):  # pragma: no cover - compiled
     # m (16, K, th, tw, n) <-> yt (K, 2th, 2tw, n): A^T m A of every tile, columns then rows
     # through tmp (4, K, th, 2tw, n); the adjoint goes back the same way
@@ -179,7 +179,7 @@ def _outputs(m, tmp, yt, adjoint, k_, th, tw, n):  # pragma: no cover - compiled
                 _at(tmp, (k * th + i) * row, tplane, yt, d, d + row, row)
 
 
-@_jit
+@jit
 def _images_last(x, xt, adjoint, n, channels, h, w, hp, wp, ph, pw):  # pragma: no cover
     # x (n, C, h, w) <-> xt (C, hp, wp, n) at offset (ph, pw), zero outside: images go
     # innermost. The loops read (or write) x in order: a stride of C*h*w floats, often a
@@ -269,7 +269,7 @@ class Plan:
         """V (16, C, tiles) of the images x (n, C, H, W)."""
         g, th, tw, n, c = self.g, self.th, self.tw, x.shape[0], self.channels
         xt, tmp = self._padded(n, x.dtype)
-        _images_last(_flat(x), xt.reshape(-1), False, n, c, g.height, g.width, 2 * th + 2,
+        _images_last(flat(x), xt.reshape(-1), False, n, c, g.height, g.width, 2 * th + 2,
                      2 * tw + 2, g.pad_h, g.pad_w)
         v = np.empty((16, c, th * tw * n), x.dtype)
         _tiles(xt.reshape(-1), tmp, v.reshape(-1), False, c, th, tw, n)
@@ -280,7 +280,7 @@ class Plan:
         g, th, tw, n, c = self.g, self.th, self.tw, dx.shape[0], self.channels
         xt, tmp = self._padded(n, dx.dtype)
         _tiles(xt.reshape(-1), tmp, dv.reshape(-1), True, c, th, tw, n)
-        _images_last(_out(dx), xt.reshape(-1), True, n, c, g.height, g.width, 2 * th + 2,
+        _images_last(flat_out(dx), xt.reshape(-1), True, n, c, g.height, g.width, 2 * th + 2,
                      2 * tw + 2, g.pad_h, g.pad_w)
 
     def _outputs_last(self, n: int, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -294,13 +294,13 @@ class Plan:
         g, th, tw, n, k = self.g, self.th, self.tw, y.shape[0], self.num_output
         yt, tmp = self._outputs_last(n, y.dtype)
         _outputs(m.reshape(-1), tmp, yt.reshape(-1), False, k, th, tw, n)
-        _images_last(_out(y), yt.reshape(-1), True, n, k, g.out_h, g.out_w, 2 * th, 2 * tw, 0, 0)
+        _images_last(flat_out(y), yt.reshape(-1), True, n, k, g.out_h, g.out_w, 2 * th, 2 * tw, 0, 0)
 
     def _from_images(self, dy: np.ndarray) -> np.ndarray:
         """The adjoint of _to_images: dM (16, K, tiles) of the top's gradient dy."""
         g, th, tw, n, k = self.g, self.th, self.tw, dy.shape[0], self.num_output
         yt, tmp = self._outputs_last(n, dy.dtype)
-        _images_last(_flat(dy), yt.reshape(-1), False, n, k, g.out_h, g.out_w, 2 * th, 2 * tw,
+        _images_last(flat(dy), yt.reshape(-1), False, n, k, g.out_h, g.out_w, 2 * th, 2 * tw,
                      0, 0)
         m = np.empty((16, k, th * tw * n), dy.dtype)
         _outputs(m.reshape(-1), tmp, yt.reshape(-1), True, k, th, tw, n)

@@ -9,7 +9,7 @@ Two processes on loopback. For each message size, alternately:
   preallocated buffer, which answers with one byte.
 
 It prints medians, the ratio Poseidon / TCP, and fits the link model t = alpha + beta * bytes
-to Poseidon's ping-pong times (engine/perf/link.py), which `poseidon simulate --link` reads.
+to Poseidon's ping-pong times (engine/comm/link.py), which `poseidon simulate --link` reads.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from engine.comm.hosts import free_base_port, parse_hosts_text
 from engine.comm.planner import cost_ps_node, cost_ring
 from engine.pb import poseidon_pb2 as pb
 
-from .link import Link
+from engine.comm.link import Link
 
 SIZES = [1 << k for k in range(10, 29, 2)]  # 1 KB .. 256 MB, x4
 SHARD = ("shard", 0)

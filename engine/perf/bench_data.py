@@ -1,7 +1,7 @@
 """`poseidon bench data`: the data path alone, against the real Caffe on the same data-only net.
 
 The timed net is one Data layer and a Silence layer, TRAIN phase, so ``caffe time`` and
-Poseidon's ``time`` (engine.timing, the same loop) measure reading, decoding and transforming
+Poseidon's ``time`` (engine.perf.timing, the same loop) measure reading, decoding and transforming
 a batch and nothing else. The Data layer's batch size and transform_param come from
 ``--net`` (its first TRAIN Data layer) or default to an ImageNet net's: batch 128, crop 227,
 mirror, three mean values. Without ``--db``, two LMDBs of the same 512 pictures are made
@@ -41,7 +41,7 @@ SAMPLE_SIZE = 256
 _CHILD = r"""
 import json, sys
 from engine.net import Net
-from engine.timing import time_net
+from engine.perf.timing import time_net
 net = Net(sys.argv[1], phase="TRAIN")
 report = time_net(net, int(sys.argv[2]))
 layer = net.data_layers[0]

@@ -54,7 +54,7 @@ peer, proto, iters, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sy
 from engine.net import Net
 net = Net(proto, phase="TRAIN")
 if peer == "poseidon":
-    from engine.timing import time_net
+    from engine.perf.timing import time_net
     ms = time_net(net, iters).total_ms
     from engine.perf.bench_time import blas_in_use
     print(json.dumps({"ms": ms, "blas": blas_in_use()}))
@@ -84,7 +84,7 @@ def torch_available() -> bool:
 def blas_in_use() -> str:
     """The BLAS this process calls, its kernel and threads (threadpoolctl), and the CPU
     kernels in use: what an engine time depends on."""
-    from ..layers import compiled
+    from ..kernels import cpu as compiled
     kernels = (f"compiled kernels: numba {compiled.numba.__version__}" if compiled.available()
                else "kernels: NumPy")
     try:

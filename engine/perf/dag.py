@@ -42,7 +42,7 @@ from engine.comm.schemes import NETWORK_SCHEMES, SCHEMES as SCHEME_CLASSES
 from engine.comm.schemes.base import Device, LayerTiming
 from engine.comm.schemes.ps import DEFAULT_CHUNK_BYTES, PSParam, make_layout
 
-from .link import Link
+from engine.comm.link import Link
 from .netinfo import NetInfo
 from .trace import Trace
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from engine.factors import SufficientFactors
 from engine.pb import caffe_pb2
 
 from .netinfo import read_train_net, with_inputs
@@ -58,11 +59,28 @@ class ReplayLayer:
     def backward(self, top: Sequence[Any], propagate_down: Sequence[bool],
                  bottom: Sequence[Any]) -> None:
         wait(self.backward_s)
-        if hasattr(self._layer, "remember_factors"):  # SFB sends the factors of this pass
-            self._layer.remember_factors(top, bottom)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._layer, name)
+
+
+class ReplayFactorLayer(ReplayLayer, SufficientFactors):
+    """Stands in for a layer with sufficient factors: SFB sends the real factors of each pass
+    (the top diff and bottom data, whatever their values), so the bytes are the real ones."""
+
+    def backward(self, top: Sequence[Any], propagate_down: Sequence[bool],
+                 bottom: Sequence[Any]) -> None:
+        super().backward(top, propagate_down, bottom)
+        self.remember_factors(top, bottom)
+
+    def factor_spec(self) -> Any:
+        return self._layer.factor_spec()
+
+    def sufficient_factors(self) -> tuple[Any, Any]:
+        return self._layer.sufficient_factors()
+
+    def remember_factors(self, top: Any, bottom: Any) -> None:
+        self._layer.remember_factors(top, bottom)
 
 
 def replay_solver_param(solver: str | Path) -> caffe_pb2.SolverParameter:
@@ -94,7 +112,8 @@ def install(net: Any, trace: Trace, time_scale: float) -> None:
         t = traced.get(name)
         fwd = t.forward_ms * time_scale / 1e3 if t else 0.0
         bwd = t.backward_ms * time_scale / 1e3 if t else 0.0
-        net.layers[i] = ReplayLayer(net.layers[i], fwd, bwd)
+        kind = ReplayFactorLayer if isinstance(net.layers[i], SufficientFactors) else ReplayLayer
+        net.layers[i] = kind(net.layers[i], fwd, bwd)
 
 
 def make_solver(solver: str | Path, trace_path: str | Path, time_scale: float,

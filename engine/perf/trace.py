@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.jsonfile import read_json
+
 FORMAT = "poseidon-layer-trace"
 VERSION = 1
 
@@ -103,17 +105,6 @@ def trace_from_dict(d: Any, where: str = "trace") -> Trace:
     known = {"format", "version", "net", "batch", "device", "source", "layers"}
     extra = {k: v for k, v in d.items() if k not in known and fmt == FORMAT}
     return Trace(str(d.get("net", "")), batch, layers, str(d.get("device", "")), source, extra)
-
-
-def read_json(path: str | Path, what: str, error: type[ValueError]) -> Any:
-    """The parsed JSON of ``path``; ``error`` names the file (and the line) when it cannot."""
-    p = Path(path)
-    try:
-        return json.loads(p.read_text())
-    except FileNotFoundError:
-        raise error(f"{what} file {p} not found") from None
-    except json.JSONDecodeError as e:
-        raise error(f"{p}:{e.lineno}: not JSON ({e.msg})") from None
 
 
 def load_trace(path: str | Path) -> Trace:

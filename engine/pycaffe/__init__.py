@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 from engine import backend, glog
+from engine.allocator import tune_allocator
 from engine.layers import layer_class, registered_types
 from engine.layers.python_layer import TEST, TRAIN, PyLayer as Layer
 
@@ -25,6 +26,8 @@ from .net import Net
 from .net_spec import NetSpec, layers, params, to_proto
 from .solver import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver,
                      RMSPropSolver, SGDSolver, get_solver)
+
+tune_allocator()  # a pycaffe script is a training process too (engine/allocator.py)
 
 __version__ = "1.0.0"  # the Caffe release whose Python interface this follows
 

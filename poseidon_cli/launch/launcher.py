@@ -7,14 +7,15 @@
 * With a table and a rank (--rank, or a manager's rank variable), this process is that worker.
 * With a cluster manager's variables and no table (``srun``, ``mpirun``, torchrun's convention;
   managers.py), this process is the worker the manager says and learns the table at the
-  rendezvous (``run_managed``); a PyTorchJob pod starts its node's workers, which do that
-  (``launch_node``).
+  rendezvous (worker.py's ``run_managed``); a PyTorchJob pod starts its node's workers, which
+  do that (``launch_node``).
 """
 from __future__ import annotations
 
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,9 +25,10 @@ from engine.comm.auth import KEY_ENV, job_key, key_hex, new_key
 from engine.comm.errors import CommError
 from engine.comm.hosts import HostEntry, is_local, local_addresses, table_json
 
-from .config import JobConfig
+from .config import JobConfig, require_key
 from .managers import NodePlacement, Placement, rank_from_env
 from .relay import ErrorRelay
+from .tables import gpus_of
 
 #: torchrun's variables, which a PyTorchJob node sets for each worker it starts
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -53,29 +55,6 @@ def ssh_command(entry: HostEntry, cmd: Sequence[str]) -> list[str]:
     return ["ssh", "-o", "BatchMode=yes", "-o", "ServerAliveInterval=5", entry.host, remote]
 
 
-def assign_gpus(entries: list[HostEntry], gpus: Sequence[int] | None) -> dict[int, int | None]:
-    """Each rank's GPU for --gpu: the workers at one address take ``gpus`` round robin, in
-    rank order (several workers may share a GPU)."""
-    if gpus is None:
-        return {e.rank: None for e in entries}
-    ids = list(gpus)
-    seen: dict[str, int] = {}
-    out: dict[int, int | None] = {}
-    for e in entries:
-        i = seen.get(e.host, 0)
-        seen[e.host] = i + 1
-        out[e.rank] = ids[i % len(ids)]
-    return out
-
-
-def gpus_of(entries: list[HostEntry], config: JobConfig) -> dict[int, int | None]:
-    """Each rank's GPU: with --gpus, local worker i of each machine takes the i-th GPU listed
-    (tables.check_pinned made the counts agree); with --gpu, round robin; else None (CPU)."""
-    if config.pin_gpus and config.gpus is not None:
-        return {e.rank: config.gpus[e.local_rank] for e in entries}
-    return assign_gpus(entries, config.gpus)
-
-
 def start(config: JobConfig, managed: Placement | NodePlacement | None, hosts: str | None,
           host_list: str | None, nproc: int | None, rank: int | None, launch: str) -> None:
     """What `poseidon train` does with several workers: under a manager without a table, be
@@ -83,6 +62,7 @@ def start(config: JobConfig, managed: Placement | NodePlacement | None, hosts: s
     if isinstance(managed, NodePlacement):
         launch_node(config, managed, nproc)
     elif managed is not None:
+        from .worker import run_managed
         run_managed(config, managed)
     else:
         from .tables import resolve
@@ -112,34 +92,6 @@ def run(config: JobConfig, entries: list[HostEntry], rank: int | None = None,
                         "workers")
     from .worker import run_worker
     run_worker(config, entries, rank, gpus_of(entries, config)[rank])
-
-
-def run_managed(config: JobConfig, placement: Placement) -> None:
-    """Be the worker a cluster manager started: meet the others at the rendezvous, train."""
-    from .rendezvous import meet
-    from .worker import NO_KEY, run_worker
-
-    key = job_key(config.key_file)
-    if key is None:
-        raise CommError(NO_KEY)
-    gpus = config.gpus
-    if config.pin_gpus and gpus is not None and placement.local_size not in (None, len(gpus)):
-        raise CommError(f"{placement.manager} runs {placement.local_size} workers on this "
-                        f"machine, but --gpus {','.join(map(str, gpus))} pins one worker to "
-                        f"each of {len(gpus)} GPUs")
-    entries = meet(placement, key, config.timeout)
-    if placement.rank == 0:
-        from engine import glog
-        from engine.comm.hosts import machines
-        counts = [len(m) for m in machines(entries)]
-        host, port = placement.master or ("?", 0)
-        glog.info(f"Rendezvous ({placement.manager}) at {host}:{port}: "
-                  f"{len(entries)} workers on {len(counts)} machines "
-                  f"({', '.join(map(str, counts))} workers)")
-    if config.pin_gpus and gpus is not None:
-        from .tables import check_pinned
-        check_pinned(entries, gpus)
-    run_worker(config, entries, placement.rank, gpus_of(entries, config)[placement.rank])
 
 
 class Child(NamedTuple):
@@ -182,7 +134,30 @@ def launch_all(config: JobConfig, entries: list[HostEntry], launch: str) -> None
     if not children:
         raise CommError(f"{config.hosts}: no worker is on this machine; run `poseidon train ... "
                         "--rank N` on each host, or use --launch ssh")
+    check_ports([e for e in entries if is_local(e, local)])
     start_and_supervise(children, config)
+
+
+def check_ports(entries: list[HostEntry]) -> None:
+    """Every port these local workers and their shards will bind is free now: a port another
+    process holds is named before any worker spends seconds building its net. (A port taken
+    after this check is still named, by the worker that cannot bind it.)"""
+    from engine.comm.hosts import port_owner
+    from engine.comm.transport import SHARD, WORKER, peer_name
+
+    for e in entries:
+        for role, port in ((WORKER, e.port), (SHARD, e.shard_port)):
+            s = socket.socket()
+            try:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
+                s.bind(("", port))
+            except OSError as err:
+                owner = port_owner(port)
+                held = f" (held by {owner})" if owner else ""
+                raise CommError(f"{peer_name((role, e.rank), entries)}: cannot bind port "
+                                f"{port}{held}: {err.strerror}") from None
+            finally:
+                s.close()
 
 
 def launch_node(config: JobConfig, node: NodePlacement, nproc: int | None) -> None:
@@ -193,10 +168,7 @@ def launch_node(config: JobConfig, node: NodePlacement, nproc: int | None) -> No
         raise CommError(f"PET_NPROC_PER_NODE={node.nproc}, but -n / --gpus ask for {nproc} "
                         "workers on this node")
     nproc = nproc or node.nproc or 1
-    key = job_key(config.key_file)
-    if key is None:
-        from .worker import NO_KEY
-        raise CommError(NO_KEY)
+    key = require_key(config)
     base = {k: v for k, v in os.environ.items()
             if not k.startswith("PET_") and k not in TORCHRUN_VARS}
     master_addr, master_port = node.master

@@ -44,7 +44,7 @@ def run_shard(index: int, entries: list[HostEntry], timeout: float,
     if key is None:
         raise CommError(f"shard {index}: no job key in ${KEY_ENV} (its worker sets it)")
     if timeline is not None:
-        from engine.perf import timeline as tl
+        from engine import timeline as tl
         tl.start(timeline, f"shard {index}", f"shard{index}")
     srv = ShardServer(index, entries, key=key, timeout=timeout, exit_grace=EXIT_GRACE_S,
                       max_frame_bytes=max_frame_bytes, threads=threads)

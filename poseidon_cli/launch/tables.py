@@ -9,7 +9,8 @@ workers are started there from the same ``-H`` and must derive the same ports, s
 the hosts file's defaults.
 
 ``--gpus`` pins one worker to each listed GPU on every machine: a machine's worker count is the
-number of GPUs unless a line says otherwise, and then it must agree.
+number of GPUs unless a line says otherwise, and then it must agree; ``gpus_of`` deals each
+rank its GPU (--gpus: one each; --gpu: round robin).
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from typing import Sequence
 from engine.comm.hosts import (DEFAULT_PORT, HostEntry, HostsError, Machine, check_resolvable,
                                free_base_port, is_local_host, local_addresses, parse_hosts,
                                parse_slots, reserve_ports, table_of)
+
+from .config import JobConfig
 
 
 def resolve(hosts: str | None, host_list: str | None, nproc: int | None,
@@ -76,3 +79,26 @@ def check_pinned(entries: Sequence[HostEntry], gpus: Sequence[int]) -> None:
             raise HostsError(f"{e.where}: machine {e.machine} ({e.host}) runs {e.local_size} "
                              f"workers, but --gpus {','.join(map(str, gpus))} pins one worker "
                              f"to each of {len(gpus)} GPUs")
+
+
+def assign_gpus(entries: list[HostEntry], gpus: Sequence[int] | None) -> dict[int, int | None]:
+    """Each rank's GPU for --gpu: the workers at one address take ``gpus`` round robin, in
+    rank order (several workers may share a GPU)."""
+    if gpus is None:
+        return {e.rank: None for e in entries}
+    ids = list(gpus)
+    seen: dict[str, int] = {}
+    out: dict[int, int | None] = {}
+    for e in entries:
+        i = seen.get(e.host, 0)
+        seen[e.host] = i + 1
+        out[e.rank] = ids[i % len(ids)]
+    return out
+
+
+def gpus_of(entries: list[HostEntry], config: JobConfig) -> dict[int, int | None]:
+    """Each rank's GPU: with --gpus, local worker i of each machine takes the i-th GPU listed
+    (tables.check_pinned made the counts agree); with --gpu, round robin; else None (CPU)."""
+    if config.pin_gpus and config.gpus is not None:
+        return {e.rank: config.gpus[e.local_rank] for e in entries}
+    return assign_gpus(entries, config.gpus)

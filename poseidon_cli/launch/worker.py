@@ -12,88 +12,95 @@ on its standard input too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-# first: importing the CLI's main sets one BLAS thread before NumPy loads (a worker started
-# over ssh does not inherit the launcher's environment)
-from poseidon_cli.main import user_errors  # isort: skip
-
+# (the package poseidon_cli, imported first, sets one BLAS thread before NumPy loads: a worker
+# started over ssh does not inherit the launcher's environment)
 from engine.comm.errors import CommError
 from engine.comm.hosts import HostEntry, is_local, local_addresses, table_json, table_from_json
 
-from ..progress import ProgressBar
-from ..signals import signal_requests
-from .config import JobConfig
+from ..console import user_errors
+from ..training import train_process
+from .config import JobConfig, require_key
+from .managers import Placement, detect
 from .relay import ErrorRelay
 from .shard import EXIT_GRACE_S, shard_command, shard_env
 
-NO_KEY = ("no job key: every process of a job authenticates its messages with one key. Make "
-          "one with `poseidon keygen job.key`, copy it to every host (mode 600) and give "
-          "--key-file job.key to every rank (or set $POSEIDON_JOB_KEY); a launcher that starts "
-          "all the workers itself (-n, --hosts with local entries, --launch ssh) makes one")
-
-
 def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int | None) -> None:
     """Train as worker ``rank`` of ``entries`` on ``gpu`` (None: the CPU)."""
-    from engine import backend, glog
-    from engine.comm.auth import job_key
-    from engine.comm.bind import describe_net
-    from engine.comm.planner import plan_table
-    from engine.comm.stats import CommStats
-    from engine.comm.syncer import Syncer, frame_limit, open_worker
+    from engine import glog
     from engine.context import RunContext
-    from engine.perf.link import LinkError, parse_link
-    from engine.solver import Solver
-    from engine.solvers import SolverError
 
-    key = job_key(config.key_file)
-    if key is None:
-        raise CommError(NO_KEY)
+    key = require_key(config)
     if config.log_dir is not None:
         Path(config.log_dir).mkdir(parents=True, exist_ok=True)
         glog.add_file(str(Path(config.log_dir) / f"rank{rank}.log"))
     glog.set_enabled(rank == 0)  # the others show only their warnings and errors (as Caffe)
+    here = local_addresses()
+    train_process(config, RunContext(rank=rank, world_size=len(entries)), gpu,
+                  attach=lambda solver: communicator(config, entries, rank, gpu, key, solver),
+                  # rank 0 merges the timeline parts of the worker and shard of each entry here
+                  timeline_parts=2 * sum(is_local(e, here) for e in entries))
+
+
+@contextlib.contextmanager
+def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int | None,
+                 key: bytes, solver: Any) -> Iterator[None]:
+    """A worker's side of the job around its training: its PS shard (a child process), its
+    endpoint, the start-up barrier and the plan, the syncer attached to ``solver``; on the way
+    out, the last updates, the replica check and BYE, the shard's end and the counters."""
+    from engine import glog
+    from engine.comm.bind import describe_net
+    from engine.comm.link import LinkError, parse_link
+    from engine.comm.plan_file import write_plan
+    from engine.comm.planner import plan_table
+    from engine.comm.stats import CommStats
+    from engine.comm.syncer import Syncer, frame_limit, open_worker
+    from engine.snapshots import describe_os_error
+    from engine.solvers import SolverError
+
     world = len(entries)
-    if gpu is not None:
-        backend.use_gpu(gpu)
-    context = RunContext(rank=rank, world_size=world)
-    if config.replay is not None:
-        from engine.perf.replay import make_solver
-        solver = make_solver(config.solver, config.replay, config.time_scale, context=context,
-                             is_root=rank == 0)
-    else:
-        solver = Solver(config.solver, context=context, is_root=rank == 0)
-    if rank == 0:
-        solver.add_callback(ProgressBar())  # drawn only when this worker's stderr is a terminal
-    for w in config.weights:
-        solver.load_weights(w)
     slots, infos = describe_net(solver.net)
     momentum = 0.0  # sparse's momentum correction: the codec keeps the solver's momentum
     if config.sparse and config.momentum_correction:
         try:
             momentum = solver.sync_momentum()
         except SolverError as e:
-            solver.close()
             raise CommError(f"--sparse: {e}; give --no-momentum-correction") from None
     try:
         link = parse_link(config.link) if config.link is not None else None
     except LinkError as e:
-        solver.close()
         raise CommError(f"--link: {e}") from None
     total = solver.images_per_iter()  # the data layers stride over every rank's share
     stats = CommStats()
     stats.extra.update(rank=rank, world_size=world, comm=config.comm, wire=config.wire,
                        sparse=config.sparse)
 
+    allow_sfb = solver.param.iter_size == 1
+    # rank 0 plans; a plan to follow is read and checked before anyone waits for it
+    pinned = recorded_plan(config, infos, entries, allow_sfb, gpu is not None, momentum) \
+        if rank == 0 else None
+
     def make_plan(probed: Any, local: Any) -> Any:  # rank 0's: every worker follows it
-        plan = plan_for(solver.net, infos, entries, config, probed, local,
-                        allow_sfb=solver.param.iter_size == 1, on_gpu=gpu is not None,
-                        momentum=momentum)
-        glog.info(plan_table(plan, world))
+        plan, why = pinned or (None, "")
+        if plan is None:
+            plan = plan_for(solver.net, infos, entries, config, probed, local,
+                            allow_sfb=allow_sfb, on_gpu=gpu is not None, momentum=momentum)
+            why = plan.why()
+        glog.info(f"Communication plan for {world} workers: {plan.summary()} ({why})")
+        written = f"{solver.snapshot_prefix()}_plan.prototxt"
+        try:
+            write_plan(written, plan.to_pb())
+            glog.info(f"Plan written to {written}: `--plan {written}` makes another run follow it")
+        except OSError as e:
+            glog.warning(f"cannot write the plan to {written}: {describe_os_error(e)}")
+        if config.verbose:
+            glog.info(plan_table(plan, world))
         glog.info(f"The losses and outputs below are rank 0's, over its {total // world} of the "
                   f"{total} images of each iteration")
         stats.extra["plan"] = [{"layer": p.info.name, "index": p.info.layer,
@@ -105,9 +112,6 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
         stats.extra["link"] = plan.link.as_dict()
         return plan
 
-    if config.timeline is not None:
-        from engine.perf import timeline as tl
-        tl.start(config.timeline, f"worker {rank}", f"worker{rank}")
     max_frame = frame_limit(slots, world, config.chunk_bytes)
     shard = subprocess.Popen(shard_command(rank, config.timeout, max_frame, config.shard_threads,
                                            config.timeline),
@@ -138,39 +142,100 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
 
         def report(rnd: int) -> None:
             if rank == 0 and display and (rnd + 1) % display == 0:
-                for line in stats.format_lines():
+                lines = stats.format_lines()
+                for line in lines if config.verbose else lines[:1]:
                     glog.info(line)
 
         sync = Syncer(ep, slots, solver.update_layer, planner=make_plan, link=link,
                       levels=config.levels, chunk_bytes=config.chunk_bytes,
                       priority=config.priority, on_round_done=report)
         solver.attach_sync(sync, momentum_by_sync=sync.momentum_layers)
-        with signal_requests(solver, config.signal_effects):
-            try:
-                solver.solve(resume_file=config.snapshot)
-            except CommError:
-                raise
-            except Exception as e:  # e.g. a snapshot on a full disk: every rank stops, naming it
-                ep.fatal(f"{ep.name}: {e}")
-                ep.disarm()
-                raise
+        try:
+            yield
+        except CommError:
+            raise
+        except Exception as e:  # e.g. a snapshot on a full disk: every rank stops, naming it
+            ep.fatal(f"{ep.name}: {e}")
+            ep.disarm()
+            raise
         solver.close()  # the last updates, the replica check, BYE; then the shard ends
         shard.wait(timeout=config.timeout)
         if shard.returncode:
             raise CommError(f"shard {rank} ({entries[rank].host}:{entries[rank].shard_port}) "
                             f"exited with code {shard.returncode}")
     finally:
-        solver.close()  # on failure: stop the comm and prefetch threads so the process can exit
+        solver.close()  # on failure: stop the comm threads so the process can exit
         if config.stats is not None and rank == 0:
             stats.write_json(config.stats)
         if shard.poll() is None:
             shard.kill()  # it ignores the polite signals (see shard.py); it holds nothing to save
             shard.wait()
-        if config.timeline is not None:
-            tl.current.save_part()
-            if rank == 0:  # the worker and shard of each entry on this machine
-                here = local_addresses()
-                tl.merge(config.timeline, expected=2 * sum(is_local(e, here) for e in entries))
+
+
+def run_managed(config: JobConfig, placement: Placement) -> None:
+    """Be the worker a cluster manager started: meet the others at the rendezvous, train."""
+    from .rendezvous import meet
+    from .tables import check_pinned, gpus_of
+
+    key = require_key(config)
+    gpus = config.gpus
+    if config.pin_gpus and gpus is not None and placement.local_size not in (None, len(gpus)):
+        raise CommError(f"{placement.manager} runs {placement.local_size} workers on this "
+                        f"machine, but --gpus {','.join(map(str, gpus))} pins one worker to "
+                        f"each of {len(gpus)} GPUs")
+    entries = meet(placement, key, config.timeout)
+    if placement.rank == 0:
+        from engine import glog
+        from engine.comm.hosts import machines
+        counts = [len(m) for m in machines(entries)]
+        host, port = placement.master or ("?", 0)
+        glog.info(f"Rendezvous ({placement.manager}) at {host}:{port}: "
+                  f"{len(entries)} workers on {len(counts)} machines "
+                  f"({', '.join(map(str, counts))} workers)")
+    if config.pin_gpus and gpus is not None:
+        check_pinned(entries, gpus)
+    run_worker(config, entries, placement.rank, gpus_of(entries, config)[placement.rank])
+
+
+def recorded_plan(config: JobConfig, infos: list[Any], entries: list[Any], allow_sfb: bool,
+                  on_gpu: bool, momentum: float) -> tuple[Any, str] | None:
+    """Rank 0's plan to follow, and why, when the run has one: ``--plan``'s (a CommError when it
+    does not fit), else the resumed snapshot's where it fits (where not, one line says why and
+    the run plans anew). None: plan from the link."""
+    from engine import glog
+    from engine.caffe_io import FormatError
+    from engine.comm.plan_file import read_plan
+    from engine.comm.plan_file import recorded_plan as snapshot_plan
+    from engine.comm.planner import PlanMismatch, pin_plan
+    from engine.comm.probe import probe_device
+    from engine.comm.topology import Topology
+
+    source = config.plan or config.snapshot
+    if source is None:
+        return None
+    try:
+        recorded = read_plan(source) if config.plan else snapshot_plan(source)
+    except FormatError as e:
+        if config.plan:
+            raise CommError(f"--plan: {e}") from None
+        glog.warning(f"{e}: planning anew")
+        return None
+    if recorded is None:
+        return None
+    topo = Topology.of(entries, 0)
+    slots = topo.slots if config.levels and topo.two_level else 1
+    try:
+        plan = pin_plan(recorded, infos, len(entries), config.codec, allow_sfb,
+                        probe_device(on_gpu), config.chunk_bytes, slots,
+                        machines=len(topo.machines),
+                        sparse=(config.sparse, config.sparse_warmup, momentum))
+    except PlanMismatch as e:
+        if config.plan:
+            raise CommError(f"--plan {config.plan} does not fit this run: {e}") from None
+        glog.info(f"The plan recorded in {source} does not fit this run ({e}): planning anew")
+        return None
+    return plan, (f"pinned by --plan {source}" if config.plan else
+                  f"recorded in {source}: the resumed run sums as the run that wrote it")
 
 
 def plan_for(net: Any, infos: list[Any], entries: list[Any], config: JobConfig, link: Any,
@@ -211,8 +276,6 @@ def main(argv: list[str] | None = None) -> None:
     with user_errors():
         config = JobConfig.from_json(args.config)
         if args.rank is None:
-            from .launcher import run_managed
-            from .managers import Placement, detect
             placement = detect(os.environ)
             if not isinstance(placement, Placement):
                 raise CommError("a worker without --rank takes its place from a cluster "

@@ -36,7 +36,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..transport import WORKER, Message, PeerId
-from .base import DenseScheme, Device, LayerTiming, Unit, arrays_are, split
+from .base import DenseScheme, Device, LayerTiming, arrays_are
+from ..units import Unit, split
 
 Pieces = tuple[tuple[int, int], ...]
 FOLD = 0

@@ -20,7 +20,8 @@ import numpy as np
 from engine.pb import poseidon_pb2 as pb
 
 from ..transport import SHARD, Message, PeerId
-from .base import DenseScheme, Device, LayerTiming, Unit, arrays_are, split
+from .base import DenseScheme, Device, LayerTiming, arrays_are
+from ..units import Unit, split
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 #: below this a vector is not split further just to spread it over the shards

@@ -29,7 +29,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..transport import WORKER, Message, PeerId
-from .base import DenseScheme, Device, LayerTiming, Unit, arrays_are, split
+from .base import DenseScheme, Device, LayerTiming, arrays_are
+from ..units import Unit, split
 
 
 class _Op:

@@ -14,10 +14,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from engine import backend
-from engine.perf import timeline
+from engine import timeline
 
 from ..transport import WORKER, Message, PeerId
-from .base import Device, LayerSlot, LayerTiming, Scheme, Unit, arrays_are
+from .base import Device, LayerTiming, Scheme, arrays_are
+from ..units import LayerSlot, Unit
 
 FACTORS, UP, PEER, DOWN = 0, 1, 2, 3
 

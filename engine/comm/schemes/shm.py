@@ -45,7 +45,8 @@ import numpy as np
 
 from ..errors import CommError
 from ..transport import WORKER, Message, PeerId
-from .base import DenseScheme, Device, LayerTiming, Unit, arrays_are, split
+from .base import DenseScheme, Device, LayerTiming, arrays_are
+from ..units import Unit, split
 
 #: where the segment lives (a tmpfs on Linux); without it shm is not offered
 SHM_DIR = "/dev/shm"

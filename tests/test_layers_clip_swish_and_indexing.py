@@ -1,5 +1,5 @@
-"""Layers added from BVLC Caffe: Clip and Swish (neuron.py); Tile, Reduction, Parameter,
-BatchReindex, Filter and Embed (common.py). Values against hand computations from Caffe's
+"""Clip and Swish (neuron.py); the indexing and reducing layers Tile, Reduction, Parameter,
+BatchReindex, Filter and Embed (common.py), all from BVLC Caffe master. Values against hand computations from Caffe's
 formulas, float64 finite-difference gradients, the one-line errors, and a few small nets."""
 from __future__ import annotations
 

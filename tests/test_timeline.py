@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from engine.perf import timeline
-from engine.perf.timeline import Timeline, check_nesting, merge
+from engine import timeline
+from engine.timeline import Timeline, check_nesting, merge
 from tests.test_comm_train import digits_db, poseidon, write_hosts, write_run  # noqa: F401
 
 

@@ -36,16 +36,17 @@ def available() -> bool:
 _OPTIONS = dict(boundscheck=False, error_model="numpy")
 
 
-def _jit(fn: Any) -> Any:
+def jit(fn: Any) -> Any:
+    """A compiled kernel (cached on disk, GIL released); ``fn`` itself without Numba."""
     return numba.njit(cache=True, nogil=True, **_OPTIONS)(fn) if numba else fn
 
 
-def _inline(fn: Any) -> Any:
+def inline(fn: Any) -> Any:
     """An inner loop, inlined into its caller (a call per window row costs more than its work)."""
     return numba.njit(inline="always", **_OPTIONS)(fn) if numba else fn
 
 
-@_inline
+@inline
 def _span(offset, stride, out, size):  # pragma: no cover - compiled
     # the outputs o in [lo, hi) whose input o * stride + offset lies in [0, size)
     lo = 0 if offset >= 0 else (-offset + stride - 1) // stride
@@ -57,27 +58,27 @@ def _span(offset, stride, out, size):  # pragma: no cover - compiled
 # so their inner loops have no branch; the inner loops index with unsigned integers, for
 # which Numba drops its negative-index wraparound, and LLVM then vectorises them (3x).
 
-@_inline
+@inline
 def _gather(dst, d, src, s, stride, count):  # pragma: no cover - compiled
     d, s, stride = np.uint64(d), np.uint64(s), np.uint64(stride)
     for t in range(np.uint64(count)):
         dst[d + t] = src[s + t * stride]
 
 
-@_inline
+@inline
 def _scatter_add(dst, d, stride, src, s, count):  # pragma: no cover - compiled
     d, s, stride = np.uint64(d), np.uint64(s), np.uint64(stride)
     for t in range(np.uint64(count)):
         dst[d + t * stride] += src[s + t]
 
 
-@_inline
+@inline
 def _fill(dst, d, count):  # pragma: no cover - compiled
     d = np.uint64(d)
     for t in range(np.uint64(count)):
         dst[d + t] = 0
 
-@_jit
+@jit
 def _im2col(im, col, adjoint, n, channels, height, width, kh, kw, sh, sw, ph, pw, dh, dw, oh,
             ow):  # pragma: no cover - compiled
     # col rows (c, i, j), columns (image, y, x): the layout of im2col's NumPy form. The
@@ -111,7 +112,7 @@ def _im2col(im, col, adjoint, n, channels, height, width, kh, kw, sh, sw, ph, pw
                             _fill(col, dst, ow)
 
 
-@_jit
+@jit
 def _max_pool_backward(dy, arg, out, planes, height, width, kh, kw, sh, sw, ph, pw, oh,
                        ow):  # pragma: no cover - compiled
     # Caffe's order: zero, then each output adds its gradient at its argmax, in scan order.
@@ -136,7 +137,7 @@ def _max_pool_backward(dy, arg, out, planes, height, width, kh, kw, sh, sw, ph, 
                 o += np.uint64(1)
 
 
-@_inline
+@inline
 def _channel_window(buf, c, channels, plane, pre, size, out, o):  # pragma: no cover
     # out[o:o+plane] = the sum of buf's planes c-pre .. c-pre+size-1, zero padded, added in
     # the order of lrn._window_sum (it starts from the first window slot, a padding zero or
@@ -155,7 +156,7 @@ def _channel_window(buf, c, channels, plane, pre, size, out, o):  # pragma: no c
             out[o_u + t] += 0
 
 
-@_jit
+@jit
 def _lrn_forward(x, top, scale, factor, n, channels, plane, pre, size, a, k, one,
                  beta_mode):  # pragma: no cover - compiled
     # scale^-beta as lrn._neg_power computes it (beta 0.75, 0.5, 1), one loop per beta so
@@ -189,7 +190,7 @@ def _lrn_forward(x, top, scale, factor, n, channels, plane, pre, size, a, k, one
                 top[t] = x[t] * factor[t]
 
 
-@_jit
+@jit
 def _lrn_backward(x, top, dy, scale, factor, dx, n, channels, plane, pre, size,
                   coeff):  # pragma: no cover - compiled
     per_image = channels * plane
@@ -224,7 +225,7 @@ def lrn_forward(x: np.ndarray, size: int, alpha: float, beta: float,
     n, channels = x.shape[:2]
     top, scale, factor = (np.empty(x.shape, x.dtype) for _ in range(3))
     dt = x.dtype.type
-    _lrn_forward(_flat(x), top.reshape(-1), scale.reshape(-1), factor.reshape(-1), n, channels,
+    _lrn_forward(flat(x), top.reshape(-1), scale.reshape(-1), factor.reshape(-1), n, channels,
                  x[0, 0].size, (size - 1) // 2, size, dt(alpha / size), dt(k), dt(1),
                  _BETA_MODES[beta])
     return top, scale, factor
@@ -234,24 +235,26 @@ def lrn_backward(x: np.ndarray, top: np.ndarray, dy: np.ndarray, scale: np.ndarr
                  factor: np.ndarray, size: int, coeff: float, dx: np.ndarray) -> None:
     """The bottom gradient of ``lrn_forward`` into ``dx`` (C-contiguous), overwriting it."""
     n, channels = x.shape[:2]
-    _lrn_backward(_flat(x), _flat(top), _flat(dy), _flat(scale), _flat(factor), _out(dx), n,
+    _lrn_backward(flat(x), flat(top), flat(dy), flat(scale), flat(factor), flat_out(dx), n,
                   channels, x[0, 0].size, (size - 1) // 2, size, x.dtype.type(coeff))
 
 
-def _flat(a: np.ndarray) -> np.ndarray:
+def flat(a: np.ndarray) -> np.ndarray:
+    """``a`` as one contiguous run, for a kernel to read (copied only when it must be)."""
     return np.ascontiguousarray(a).reshape(-1)
 
 
-def _out(a: np.ndarray) -> np.ndarray:
+def flat_out(a: np.ndarray) -> np.ndarray:
+    """``a`` as one run for a kernel to write into: a view, so ``a`` must be contiguous."""
     if not a.flags.c_contiguous:
         raise ValueError("the compiled kernels write into C-contiguous arrays")
     return a.reshape(-1)
 
 
 def im2col(x: np.ndarray, g: Any) -> np.ndarray:
-    """Columns (C*kh*kw, n*out_h*out_w) of (n, C, H, W) ``x``, as ``im2col.im2col``."""
+    """Columns (C*kh*kw, n*out_h*out_w) of (n, C, H, W) ``x``, as engine/layers/im2col.py's."""
     col = np.empty((g.col_rows, x.shape[0] * g.out_h * g.out_w), dtype=x.dtype)
-    _im2col(_flat(x), col.reshape(-1), False, x.shape[0], g.channels, g.height, g.width, g.kernel_h,
+    _im2col(flat(x), col.reshape(-1), False, x.shape[0], g.channels, g.height, g.width, g.kernel_h,
             g.kernel_w, g.stride_h, g.stride_w, g.pad_h, g.pad_w, g.dilation_h, g.dilation_w,
             g.out_h, g.out_w)
     return col
@@ -259,7 +262,7 @@ def im2col(x: np.ndarray, g: Any) -> np.ndarray:
 
 def col2im(col: np.ndarray, g: Any, out: np.ndarray) -> np.ndarray:
     """Sum the (C*kh*kw, n*out_h*out_w) columns onto ``out`` (n, C, H, W), overwriting it."""
-    _im2col(_out(out), _flat(col), True, out.shape[0], g.channels, g.height, g.width, g.kernel_h,
+    _im2col(flat_out(out), flat(col), True, out.shape[0], g.channels, g.height, g.width, g.kernel_h,
             g.kernel_w, g.stride_h, g.stride_w, g.pad_h, g.pad_w, g.dilation_h, g.dilation_w,
             g.out_h, g.out_w)
     return out
@@ -267,12 +270,12 @@ def col2im(col: np.ndarray, g: Any, out: np.ndarray) -> np.ndarray:
 
 def max_pool_backward(dy: np.ndarray, arg: np.ndarray, g: Any, out: np.ndarray) -> None:
     """Route each top gradient to its argmax, overwriting ``out`` (n, C, H, W)."""
-    _max_pool_backward(_flat(dy), _flat(arg), _out(out), out.shape[0] * g.channels, g.height,
+    _max_pool_backward(flat(dy), flat(arg), flat_out(out), out.shape[0] * g.channels, g.height,
                        g.width, g.kernel_h, g.kernel_w, g.stride_h, g.stride_w, g.pad_h,
                        g.pad_w, g.out_h, g.out_w)
 
 
-@_jit
+@jit
 def _momentum_step(h, d, momentum, rate):  # pragma: no cover - compiled
     for i in range(np.uint64(h.size)):
         v = momentum * h[i] + rate * d[i]

@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from . import backend
-from .net import Net
-from .perf.trace import FORMAT, VERSION, LayerTime  # a timing report is a layer-time trace
+from engine import backend
+from engine.net import Net
+from .trace import FORMAT, VERSION, LayerTime  # a timing report is a layer-time trace
 
 
 @dataclass

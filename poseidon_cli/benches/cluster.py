@@ -36,12 +36,11 @@ from typing import Any, Callable
 import numpy as np
 
 from engine.comm.auth import KEY_ENV, key_hex, new_key
-
-from .dag import Device, predict
-from .link import Link
-from .netinfo import net_info
-from .netns import EmulatedCluster
-from .trace import Trace, load_trace
+from engine.comm.link import Link
+from engine.perf.dag import Device, predict
+from engine.perf.netinfo import net_info
+from engine.perf.netns import EmulatedCluster
+from engine.perf.trace import Trace, load_trace
 
 PORT = 29500
 #: a measurement whose machine was busier than this is not a cluster measurement
@@ -167,7 +166,8 @@ def cpu_sampler(period: float = 0.1) -> Sampler:
 def utilisation(cpu: Sampler, start: float, end: float) -> float:
     """Busy share of all CPUs over [start, end]."""
     d = cpu.delta(start, end)
-    return d[0] / d[1] if d and d[1] > 0 else float("nan")
+    # interpolated counters can put busy a rounding error above total: a share is at most 1
+    return min(1.0, max(0.0, d[0] / d[1])) if d and d[1] > 0 else float("nan")
 
 
 def link_sampler(cluster: EmulatedCluster, period: float = 0.1) -> Sampler:
@@ -319,9 +319,9 @@ def run_bench(solver: Path, workers: list[int], schemes: list[str], bits_per_s: 
 def _measured_trace(solver: Path) -> Trace:
     """`--compute real`: this machine's own layer times for the training net, measured now."""
     from engine.solver import Solver
-    from engine.timing import time_net
+    from engine.perf.timing import time_net
 
-    from .trace import trace_from_dict
+    from engine.perf.trace import trace_from_dict
 
     s = Solver(solver)
     try:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.jsonfile import read_json
+
 FORMAT = "poseidon-link"
 VERSION = 1
 
@@ -92,8 +94,6 @@ def parse_duration(text: str) -> float:
 
 
 def load_link(path: str | Path) -> Link:
-    from .trace import read_json
-
     p = Path(path)
     d = read_json(p, "link", LinkError)
     if not isinstance(d, dict) or d.get("format") != FORMAT:

@@ -20,7 +20,6 @@ import re
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -166,7 +165,7 @@ class Emulated:
     shaped to ``bits_per_s`` each way (engine/perf/netns.py; needs root)."""
 
     def __init__(self, workers: int, bits_per_s: float) -> None:
-        from .netns import EmulatedCluster
+        from engine.perf.netns import EmulatedCluster
 
         self.cluster = EmulatedCluster(workers, bits_per_s)
         self.addresses = self.cluster.addresses

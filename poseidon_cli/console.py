@@ -1,0 +1,38 @@
+"""How every command reports bad input: one line, ``poseidon: error: ...``, and a non-zero exit.
+
+Each command module imports these; the ``poseidon`` group (main.py) imports the commands, so
+this module sits below both.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Iterator, NoReturn
+
+import click
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn the engine's errors about bad input into one line and a non-zero exit.
+
+    Set POSEIDON_DEBUG=1 to see the traceback instead.
+    """
+    try:
+        yield
+    except (ValueError, OSError, KeyError, RuntimeError) as e:
+        if os.environ.get("POSEIDON_DEBUG"):
+            raise
+        fail(str(e) or type(e).__name__)
+    except MemoryError as e:  # what the up-front size checks could not foresee
+        if os.environ.get("POSEIDON_DEBUG"):
+            raise
+        fail(f"out of memory{': ' + str(e) if str(e) else ''} (a smaller batch, or a machine "
+             "with more memory?)")
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """Print a one-line error and exit non-zero: the one way commands report bad input."""
+    click.echo(f"poseidon: error: {message}", err=True)
+    sys.exit(code)

@@ -1,0 +1,64 @@
+"""One training process, the composition root of `poseidon train`: a single process, or one
+worker of a distributed run. Here the engine (a Solver), the command line's progress bar and
+signals, the timeline and, for a worker, the communicator (``attach``) are put together; the
+engine knows none of them.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager
+
+from engine.context import RunContext
+
+from .launch.config import JobConfig
+from .progress import ProgressBar
+from .signals import signal_requests
+
+#: what a distributed worker plugs in around training: given the built solver, a context
+#: entered before it trains (the shard, the endpoint, the syncer attached) and left after
+Attach = Callable[[Any], ContextManager[Any]]
+
+
+def build_solver(config: JobConfig, context: RunContext) -> Any:
+    """The Solver of ``config``: Caffe's, or one replaying traced layer times (--replay)."""
+    if config.replay is not None:
+        from engine.perf.replay import make_solver
+        return make_solver(config.solver, config.replay, config.time_scale, context=context,
+                           is_root=context.rank == 0)
+    from engine.solver import Solver
+    return Solver(config.solver, context=context, is_root=context.rank == 0)
+
+
+def train_process(config: JobConfig, context: RunContext, gpu: int | None,
+                  attach: Attach | None = None, timeline_parts: int = 1) -> None:
+    """Train ``config``'s solver as rank ``context.rank`` on ``gpu`` (None: the CPU), with
+    Caffe's log lines, snapshots and signal effects; ``attach``: a distributed worker's
+    communicator. Rank 0 draws the progress bar and merges ``timeline_parts`` parts of the
+    timeline (the processes of its machine)."""
+    from engine import backend, glog, timeline
+
+    if gpu is not None:
+        backend.use_gpu(gpu)
+        glog.info(f"Use GPU with device ID {gpu}")
+    else:
+        glog.info("Use CPU.")
+    solver = build_solver(config, context)
+    root = context.rank == 0
+    if root:
+        solver.add_callback(ProgressBar())  # drawn only when stderr is a terminal
+    try:
+        for w in config.weights:
+            solver.load_weights(w)
+        if config.timeline is not None:
+            name = f"worker {context.rank}" if attach else "train"
+            timeline.start(config.timeline, name, f"worker{context.rank}" if attach else "rank0")
+        glog.info("Starting Optimization")
+        with attach(solver) if attach else contextlib.nullcontext():
+            with signal_requests(solver, config.signal_effects):
+                solver.solve(config.snapshot)
+    finally:
+        solver.close()  # on failure too: the comm and prefetch threads stop, the process exits
+        if config.timeline is not None:
+            timeline.current.save_part()
+            if root:
+                timeline.merge(config.timeline, expected=timeline_parts)
