@@ -7,14 +7,15 @@ reads the records in order and hands the jobs over; up to its queue depth of bat
 flight at once, so the workers go from one batch to the next without waiting for the slowest
 image of each.
 
-Threads, not processes, measured on this project's 2-core VM (``poseidon bench data``, JPEG
-256x256 records, batch 128, crop 227, mirror, mean values; README): Pillow decodes and NumPy
-transforms with the GIL released, so what stays serial is the Python around them, a few tens
-of microseconds an image against about a millisecond of decoding. That is why the JPEG
-frame header is read by hand (engine.data.datum) rather than by Pillow's plugin, whose
-marker parsing in Python was the largest serial part. Processes would need every batch
-copied or placed in shared memory, their own start-up (seconds with NumPy and Pillow
-imported) and care on every exit path, for no gain that the measurement shows.
+Threads, not processes, measured on this project's 2-core VM (256x256 JPEG records, batch
+128, crop 227, mirror, mean values): Pillow's JPEG decoder and NumPy's arithmetic run with the
+GIL released, and once the pixels are decoded straight into NumPy memory
+(engine.data.datum) what holds the GIL is a few tens of microseconds of Python an image
+against some 600 of decoding. Two decoding threads then kept both cores busy (1.9-1.96 CPUs)
+and ran 1.75-1.8x one where the transform wrote to cache-resident memory; writing the real
+79 MB batch, the memory traffic, not the GIL, holds them to about 1.4x (README, "Feeding the
+workers"). Processes would meet the same memory and add a copy of every batch (or shared
+memory), their own start-up with NumPy and Pillow imported, and care on every exit path.
 
 ``DecoderPool(0)`` runs every job at once in the calling thread: one decoder, no hand-over.
 """
