@@ -180,7 +180,8 @@ def images(list_file: Path, root: Path | None, out: Path, resize_height: int, re
         except OSError as e:
             fail(f"cannot write {out}: {e.strerror or e}")
     seconds = time.perf_counter() - start
-    click.echo(f"wrote {out}: {written} records, {n_skipped} bad images skipped")
+    click.echo(f"wrote {out}: {written} records, {n_skipped} bad "
+               f"image{'' if n_skipped == 1 else 's'} skipped")
     click.echo(f"done in {seconds:.1f} s")
 
 

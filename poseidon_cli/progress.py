@@ -70,13 +70,15 @@ class CountProgress:
     def __enter__(self) -> "CountProgress":
         if sys.stderr.isatty():
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, \
-                TimeRemainingColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
             self._console = Console(stderr=True)
+            # the time left from the rate shown (rich's own estimate follows the last
+            # updates, which come a chunk of images at a time)
             self._progress = Progress(TextColumn(self._what), MofNCompleteColumn(), BarColumn(),
-                                      TextColumn("{task.fields[rate]} " + self._unit + "/s"),
-                                      TimeRemainingColumn(), console=self._console)
+                                      TextColumn("{task.fields[rate]} " + self._unit + "/s, "
+                                                 "{task.fields[left]} left"),
+                                      console=self._console)
             self._progress.start()
         return self
 
@@ -89,15 +91,15 @@ class CountProgress:
     def update(self, done: int, total: int) -> None:
         if self._start is None:
             self._start = (time.perf_counter(), done)
+        rate = self.rate(done)
+        left = _clock((total - done) / rate) if rate > 0 else "-"
         if self._progress is not None:
             if self._task is None:
                 self._task = self._progress.add_task(self._what, total=total, completed=done,
-                                                     rate="-")
-            self._progress.update(self._task, completed=done, rate=f"{self.rate(done):.0f}")
+                                                     rate="-", left="-")
+            self._progress.update(self._task, completed=done, rate=f"{rate:.0f}", left=left)
         elif done % self._every == 0 and 0 < done < total:
-            rate = self.rate(done)
-            left = f", {(total - done) / rate / 60:.1f} min left" if rate > 0 else ""
-            self.say(f"Processed {done} files ({rate:.0f} {self._unit}/s{left}).")
+            self.say(f"Processed {done} files ({rate:.0f} {self._unit}/s, {left} left).")
 
     def say(self, line: str) -> None:
         if self._console is not None:
@@ -108,3 +110,9 @@ class CountProgress:
     def __exit__(self, *exc: object) -> None:
         if self._progress is not None:
             self._progress.stop()
+
+
+def _clock(seconds: float) -> str:
+    """h:mm:ss"""
+    s = int(seconds + 0.5)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
