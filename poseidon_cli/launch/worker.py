@@ -92,7 +92,9 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
             plan = plan_for(solver.net, infos, entries, config, probed, local,
                             allow_sfb=allow_sfb, on_gpu=gpu is not None, momentum=momentum)
             why = plan.why()
-        glog.info(f"Communication plan for {world} workers: {plan.summary()} ({why})")
+        levels = (f" ({world // plan.slots} machines of {plan.slots}, reducing inside each "
+                  "machine first)" if plan.slots > 1 else "")
+        glog.info(f"Communication plan for {world} workers{levels}: {plan.summary()} ({why})")
         written = f"{solver.snapshot_prefix()}_plan.prototxt"
         try:
             write_plan(written, plan.to_pb())
