@@ -74,6 +74,7 @@ else:
 
 _CAFFE_TOTAL = re.compile(r"Average Forward-Backward:\s*([0-9.]+)\s*ms")
 _OPENBLAS_CORE = re.compile(r"Core:\s*(\S+)")
+_GLOG_FATAL = re.compile(r"^F\d{4,8} [^\]]*\] (.*)$", re.MULTILINE)
 
 
 def torch_available() -> bool:
@@ -123,7 +124,7 @@ def _child(peer: str, proto: Path, iters: int, threads: int) -> tuple[float, str
     return float(out["ms"]), out["blas"]
 
 
-def _caffe(binary: str, proto: Path, iters: int, threads: int) -> tuple[float, str]:
+def caffe_time(binary: str, proto: Path, iters: int, threads: int) -> tuple[float, str]:
     """`caffe time`'s average forward-backward, and the OpenBLAS kernel it says it picked."""
     env = dict(_env(threads), OPENBLAS_VERBOSE="2", GLOG_logtostderr="1")
     done = subprocess.run([binary, "time", "-model", str(proto), "-iterations", str(iters)],
@@ -131,7 +132,10 @@ def _caffe(binary: str, proto: Path, iters: int, threads: int) -> tuple[float, s
     text = done.stdout + done.stderr
     total = _CAFFE_TOTAL.search(text)
     if done.returncode != 0 or total is None:
-        raise RuntimeError(f"caffe time on {proto.name} failed: {text.strip().splitlines()[-1:]}")
+        # glog's fatal line says why (a failed CHECK); a stack trace follows it
+        fatal = _GLOG_FATAL.search(text)
+        said = fatal.group(1).strip() if fatal else text.strip().splitlines()[-1:]
+        raise RuntimeError(f"caffe time on {proto.name} failed: {said}")
     core = _OPENBLAS_CORE.search(text)
     blas = f"OpenBLAS {core.group(1)} kernel" if core else "BLAS not reported"
     return float(total.group(1)), f"{Path(binary).name}: {blas}, {threads} threads"
@@ -150,7 +154,7 @@ def run(nets: list[str], repeats: int, iterations: int | None = None, threads: i
             runs: dict[str, list[float]] = {p: [] for p in peers}
             for _ in range(repeats):
                 for peer in peers:  # alternate
-                    ms, blas[peer] = (_caffe(caffe, proto, iters, threads) if peer == "caffe"
+                    ms, blas[peer] = (caffe_time(caffe, proto, iters, threads) if peer == "caffe"
                                       else _child(peer, proto, iters, threads))
                     runs[peer].append(ms)
             results[name] = _summary(name, runs, iters, threads, say)
