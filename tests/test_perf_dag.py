@@ -8,10 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from engine.comm.planner import LayerInfo, cost_ps_node, cost_sfb
+from engine.comm.cost import LayerInfo, cost_ps_node, cost_sfb
+from engine.comm.link import Link, LinkError, load_link, parse_bandwidth, parse_duration
 from engine.perf.dag import Device, predict, sweep
 from engine.perf.flops import TITAN_X, trace_from_flops
-from engine.comm.link import Link, LinkError, load_link, parse_bandwidth, parse_duration
 from engine.perf.netinfo import LayerFacts, NetInfo, net_info
 from engine.perf.trace import LayerTime, Trace, TraceError, load_trace
 from tests.conftest import ROOT

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from engine.comm.planner import LayerInfo
-from engine.perf.dag import SCHEMES, Device, Prediction, predict
+from engine.comm.cost import LayerInfo
 from engine.comm.link import Link
+from engine.perf.dag import SCHEMES, Device, Prediction, predict
 from engine.perf.netinfo import LayerFacts, NetInfo, net_info
 from engine.perf.trace import LayerTime, Trace, load_trace
 from tests.conftest import ROOT

@@ -30,10 +30,10 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from engine.comm.cost import cost_ps_node, cost_ring
 from engine.comm.hosts import free_base_port, parse_hosts_text
 from engine.comm.link import Link
 from engine.comm.pieces import PIECE_BYTES
-from engine.comm.planner import cost_ps_node, cost_ring
 from engine.pb import poseidon_pb2 as pb
 
 SIZES = [1 << k for k in range(10, 29, 2)]  # 1 KB .. 256 MB, x4

@@ -40,13 +40,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from engine.comm.levels import shared, timing as level_timing
-from engine.comm.planner import COMM_MODES, DEFAULT_LOCAL_LINK, LayerInfo, plan_layers
-from engine.comm.schemes import NETWORK_SCHEMES, SCHEMES as SCHEME_CLASSES
-from engine.comm.schemes.base import Device, LayerTiming
+from engine.comm.cost import Device, LayerInfo, LayerTiming, level_timing, shared
+from engine.comm.link import Link
+from engine.comm.planner import COMM_MODES, DEFAULT_LOCAL_LINK, plan_layers
+from engine.comm.schemes import NETWORK_SCHEMES
+from engine.comm.schemes import SCHEMES as SCHEME_CLASSES
 from engine.comm.schemes.ps import DEFAULT_CHUNK_BYTES, PSParam, make_layout
 
-from engine.comm.link import Link
 from .netinfo import NetInfo
 from .trace import Trace
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from engine.comm.planner import LayerInfo
+from engine.comm.cost import LayerInfo
 from engine.pb import caffe_pb2
 
 DATA_TYPES = {"Data": "data_param", "ImageData": "image_data_param",
@@ -153,8 +153,8 @@ def net_info(model: str | Path | caffe_pb2.NetParameter, batch: int | None = Non
     """The facts of ``model``'s training net (a net or solver prototxt, or a NetParameter)."""
     from engine.blob import shapes_only
     from engine.comm.bind import describe_net
-    from engine.net import Net, NetError
     from engine.layers import LayerError
+    from engine.net import Net, NetError
 
     where = None
     if isinstance(model, caffe_pb2.NetParameter):

@@ -35,9 +35,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..cost import Device, LayerTiming
 from ..transport import WORKER, Message, PeerId
-from .base import DenseScheme, Device, LayerTiming, arrays_are
 from ..units import Unit, split
+from .base import DenseScheme, arrays_are
 
 Pieces = tuple[tuple[int, int], ...]
 FOLD = 0

@@ -19,9 +19,10 @@ import numpy as np
 
 from engine.pb import poseidon_pb2 as pb
 
+from ..cost import Device, LayerTiming
 from ..transport import SHARD, Message, PeerId
-from .base import DenseScheme, Device, LayerTiming, arrays_are
 from ..units import Unit, split
+from .base import DenseScheme, arrays_are
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 #: below this a vector is not split further just to spread it over the shards

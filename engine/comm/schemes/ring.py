@@ -28,9 +28,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..cost import Device, LayerTiming
 from ..transport import WORKER, Message, PeerId
-from .base import DenseScheme, Device, LayerTiming, arrays_are
 from ..units import Unit, split
+from .base import DenseScheme, arrays_are
 
 
 class _Op:
@@ -101,7 +102,6 @@ class Ring(DenseScheme):
     # ---------------------------------------------------------------------------- rounds
     def sum_vector(self, unit: Unit, rnd: int, phase: int, vec: np.ndarray, bits: int,
                    on_done: Any) -> None:
-        host = self.host
         geo = self._geometry[(unit.id, phase)]
         key = (unit.id, phase)
         if key not in self._out:

@@ -13,12 +13,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from engine import backend
-from engine import timeline
+from engine import backend, timeline
 
+from ..cost import Device, LayerTiming
 from ..transport import WORKER, Message, PeerId
-from .base import Device, LayerTiming, Scheme, arrays_are
 from ..units import LayerSlot, Unit
+from .base import Scheme, arrays_are
 
 FACTORS, UP, PEER, DOWN = 0, 1, 2, 3
 
