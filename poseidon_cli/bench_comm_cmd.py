@@ -63,8 +63,14 @@ def parse_sizes(text: str) -> list[int]:
 def comm(sizes: str, repeats: int, workers: str, bandwidth: str | None, piece_bytes: str,
          gloo: bool, stages: bool, json_path: str | None, link_out: str | None) -> None:
     """Poseidon's transport against raw TCP and Gloo between two processes; fits alpha, beta."""
-    from engine.perf.bench_comm import (auth_bytes_per_s, cpu_name_and_blas, gloo_available,
-                                        run, scheme_times, stage_breakdown)
+    from poseidon_cli.benches.comm import (
+        auth_bytes_per_s,
+        cpu_name_and_blas,
+        gloo_available,
+        run,
+        scheme_times,
+        stage_breakdown,
+    )
 
     from .simulate_cmd import parse_workers
 

@@ -30,8 +30,8 @@ from .console import fail
 def data(dbs: tuple[Path, ...], net: Path | None, decoders: str, iterations: int, repeats: int,
          caffe: str | None, json_path: str | None) -> None:
     """Records/s of the Data layer (read, decode, transform, prefetch wait) per decoder count."""
-    from engine.perf.bench_comm import cpu_name_and_blas
-    from engine.perf.bench_data import DataNet, run, with_sample_dbs
+    from poseidon_cli.benches.comm import cpu_name_and_blas
+    from poseidon_cli.benches.data import DataNet, run, with_sample_dbs
 
     try:
         counts = [int(d) for d in decoders.split(",") if d.strip()]

@@ -171,9 +171,9 @@ def wire_targets() -> tuple[dict[str, Target], list[Any]]:
     import zmq
 
     from engine.comm.auth import Signer, Verifier
-    from engine.comm.hosts import free_base_port, parse_hosts_text
     from engine.comm.transport import WORKER, Endpoint, header
     from engine.pb import poseidon_pb2 as pb
+    from poseidon_cli.launch.hostfile import free_base_port, parse_hosts_text
 
     base = free_base_port(3)
     hosts = parse_hosts_text("".join(f"127.0.0.1:{base + 2 * i}\n" for i in range(3)))

@@ -33,7 +33,7 @@ def test_bench_comm_measures_both_and_fits_a_link(tmp_path):
         assert r["ratio"] == pytest.approx(r["poseidon_mb_s"] / r["tcp_mb_s"])
         assert r["unauthenticated_mb_s"] > 0
         assert r["auth_cost"] == pytest.approx(1 - r["poseidon_mb_s"] / r["unauthenticated_mb_s"])
-    from engine.perf.bench_comm import gloo_available
+    from poseidon_cli.benches.comm import gloo_available
     for r in report["rows"]:  # Gloo beside them when PyTorch is installed, else said so
         if gloo_available():
             assert r["gloo_mb_s"] > 0 and r["gloo_one_way_s"] > 0
@@ -49,7 +49,7 @@ def test_bench_comm_measures_both_and_fits_a_link(tmp_path):
 
 
 def test_the_link_fit_recovers_alpha_and_beta():
-    from engine.perf.bench_comm import fit_link
+    from poseidon_cli.benches.comm import fit_link
 
     alpha, beta = 80e-6, 1 / 2e9
     sizes = [1 << k for k in range(10, 27, 2)]
@@ -67,7 +67,7 @@ def test_the_link_fit_recovers_alpha_and_beta():
 def test_the_stage_breakdown_adds_up_to_the_round_trip():
     """Each stage starts where the one before it ended, across the two processes' marks, so
     the stages of one ping-pong add up to its round trip."""
-    from engine.perf.bench_comm import _legs
+    from poseidon_cli.benches.comm import _legs
 
     client = [(1, "call", 0), (1, "serialised", 10_000), (1, "tagged", 30_000),
               (1, "received", 400_000), (1, "verified", 420_000), (1, "checked", 430_000),
@@ -137,7 +137,7 @@ def test_bench_cluster_real_compute_on_a_small_net(digits_db, tmp_path):  # noqa
 
 
 def test_bench_time_without_torch_times_the_engine_alone(monkeypatch, tmp_path):
-    from engine.perf import bench_time
+    from poseidon_cli.benches import time as bench_time
     from poseidon_cli.main import cli
     monkeypatch.setattr(bench_time, "torch_available", lambda: False)
     out = tmp_path / "time.json"
@@ -156,7 +156,7 @@ def test_bench_time_without_torch_times_the_engine_alone(monkeypatch, tmp_path):
 
 
 def test_bench_time_times_a_given_caffe_on_the_same_net(monkeypatch, tmp_path):
-    from engine.perf import bench_time
+    from poseidon_cli.benches import time as bench_time
     from poseidon_cli.main import cli
     monkeypatch.setattr(bench_time, "torch_available", lambda: False)
     # a stand-in for `caffe time`: checks it was handed a readable net, prints Caffe's lines
@@ -179,7 +179,7 @@ def test_bench_time_times_a_given_caffe_on_the_same_net(monkeypatch, tmp_path):
 
 
 def test_bench_train_poseidon_side(monkeypatch, tmp_path):
-    from engine.perf import bench_time
+    from poseidon_cli.benches import time as bench_time
     from poseidon_cli.main import cli
     monkeypatch.setattr(bench_time, "torch_available", lambda: False)
     out = tmp_path / "train.json"

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from engine.comm.cost import LayerInfo
-from engine.comm.hosts import free_base_port, parse_hosts_text
 from engine.comm.planner import plan_layers
 from engine.comm.schemes.shm import PARALLEL_BYTES, SHM_DIR, Shm
+from poseidon_cli.launch.hostfile import free_base_port, parse_hosts_text
 from tests.test_comm_ring import SHAPES, exact_mean, run
 
 pytestmark = pytest.mark.skipif(not Shm.available(), reason=f"needs a writable {SHM_DIR}")

@@ -29,9 +29,18 @@ import zmq
 
 from engine.comm.auth import Signer, Verifier
 from engine.comm.errors import CommError
-from engine.comm.hosts import (HostEntry, HostsError, check_fields, check_host, check_table,
-                               port_owner, reserve_ports, table_from_rows, table_rows)
+from engine.comm.hosts import (
+    HostEntry,
+    HostsError,
+    check_fields,
+    check_host,
+    check_table,
+    port_owner,
+    table_from_rows,
+    table_rows,
+)
 
+from .hostfile import reserve_ports
 from .managers import Placement
 
 #: the largest JOIN a rank may send (a few hundred bytes in practice)

@@ -31,8 +31,9 @@ from typing import Any, Callable
 
 from google.protobuf import text_format
 
-from ..pb import caffe_pb2
-from .bench_time import ROOT, caffe_time
+from engine.pb import caffe_pb2
+
+from .time import ROOT, caffe_time
 
 #: records of the databases made when none is given
 SAMPLE_RECORDS = 512
@@ -110,8 +111,8 @@ def make_sample_dbs(folder: Path) -> dict[str, Path]:
     import numpy as np
     from PIL import Image
 
-    from ..data.datum import array_to_datum
-    from ..data.lmdb_source import write_lmdb
+    from engine.data.datum import array_to_datum
+    from engine.data.lmdb_source import write_lmdb
     raw, jpeg = [], []
     for i, rgb in enumerate(sample_pictures()):
         key = f"{i:08d}".encode()

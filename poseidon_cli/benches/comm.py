@@ -31,10 +31,10 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from engine.comm.cost import cost_ps_node, cost_ring
-from engine.comm.hosts import free_base_port, parse_hosts_text
 from engine.comm.link import Link
 from engine.comm.pieces import PIECE_BYTES
 from engine.pb import poseidon_pb2 as pb
+from poseidon_cli.launch.hostfile import free_base_port, parse_hosts_text
 
 SIZES = [1 << k for k in range(10, 29, 2)]  # 1 KB .. 256 MB, x4
 CLIENT = ("worker", 0)
@@ -101,7 +101,7 @@ def _repeats(nbytes: int, budget: int) -> int:
 
 def _enter(ns: str | None) -> None:
     if ns is not None:
-        from .netns import enter_namespace
+        from engine.perf.netns import enter_namespace
         enter_namespace(ns)
 
 
@@ -297,7 +297,7 @@ def _through_link(bits_per_s: float, sizes: list[int], budget: int, piece_bytes:
                   gloo: bool, say: Callable[[Row], None] | None) -> list[Row]:
     """The bench with each end in a namespace of its own: the measuring end is a child
     process in host 0's namespace, which sends each row back as it is measured."""
-    from .netns import EmulatedCluster
+    from engine.perf.netns import EmulatedCluster
 
     ctx = mp.get_context("fork")
     with EmulatedCluster(2, bits_per_s) as cluster:

@@ -56,12 +56,12 @@ net = Net(proto, phase="TRAIN")
 if peer == "poseidon":
     from engine.perf.timing import time_net
     ms = time_net(net, iters).total_ms
-    from engine.perf.bench_time import blas_in_use
+    from poseidon_cli.benches.time import blas_in_use
     print(json.dumps({"ms": ms, "blas": blas_in_use()}))
 else:
     import torch
     torch.set_num_threads(threads)
-    from engine.perf.torch_peer import build
+    from poseidon_cli.benches.torch_peer import build
     step, _ = build(net)
     step()
     t = time.perf_counter()
@@ -84,7 +84,7 @@ def torch_available() -> bool:
 def blas_in_use() -> str:
     """The BLAS this process calls, its kernel and threads (threadpoolctl), and the CPU
     kernels in use: what an engine time depends on."""
-    from ..kernels import cpu as compiled
+    from engine.kernels import cpu as compiled
     kernels = (f"compiled kernels: numba {compiled.numba.__version__}" if compiled.available()
                else "kernels: NumPy")
     try:
@@ -100,7 +100,7 @@ def blas_in_use() -> str:
 
 def write_net(name: str, folder: Path) -> Path:
     """The timed net of ``name`` as a prototxt in ``folder`` (Caffe reads it too)."""
-    from ..perf.netinfo import read_train_net, with_inputs
+    from engine.perf.netinfo import read_train_net, with_inputs
     spec = NETS[name]
     param, _ = with_inputs(read_train_net(spec.train_val), spec.batch, input_shape=spec.image,
                            where=spec.train_val.parent)
