@@ -32,7 +32,7 @@ def use_gpu(device: int) -> None:
     global _device
     if not cupy_available():
         raise RuntimeError(f"--gpu {device}: CuPy with a CUDA GPU is not available on this machine "
-                           "(pip install 'poseidon[gpu]')")
+                           "(pip install -e '.[gpu]' in Poseidon's checkout)")
     _cupy.cuda.Device(device).use()
     _device = device
 

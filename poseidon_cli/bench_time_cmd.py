@@ -40,7 +40,7 @@ def time_cmd(nets: str | None, repeats: int, iterations: int | None, threads: st
         from engine import backend
         if not backend.cupy_available():
             fail(f"--gpu {gpu}: CuPy with a CUDA GPU is not available on this machine "
-                 "(pip install 'poseidon[gpu]')")
+                 "(pip install -e '.[gpu]' in Poseidon's checkout)")
     chosen = [n.strip() for n in nets.split(",") if n.strip()]
     unknown = [n for n in chosen if n not in NETS]
     if unknown:
