@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 # (the package poseidon_cli, imported first, sets one BLAS thread before NumPy loads: a worker
 # started over ssh does not inherit the launcher's environment)
@@ -50,10 +50,18 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
 
 @contextlib.contextmanager
 def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int | None,
-                 key: bytes, solver: Any) -> Iterator[None]:
+                 key: bytes, solver: Any, exit_grace: float | None = EXIT_GRACE_S,
+                 on_endpoint: Callable[[Any], None] | None = None,
+                 wrap_sync: Callable[[Any, Any], Any] | None = None) -> Iterator[None]:
     """A worker's side of the job around its training: its PS shard (a child process), its
     endpoint, the start-up barrier and the plan, the syncer attached to ``solver``; on the way
-    out, the last updates, the replica check and BYE, the shard's end and the counters."""
+    out, the last updates, the replica check and BYE, the shard's end and the counters.
+
+    An elastic generation plugs in: ``exit_grace`` None (a failure must not end the process:
+    it goes on to the next generation), ``on_endpoint(ep)`` once the endpoint is open (the
+    driver can fail it from then on), ``wrap_sync(ep, syncer)`` after the start-up barrier:
+    what to attach instead of the syncer (its boundaries), and its plan is never refused: a
+    --plan that does not fit this generation's workers is replaced, saying why."""
     from engine import glog
     from engine.comm.bind import describe_net
     from engine.comm.link import LinkError, parse_link
@@ -83,8 +91,8 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
 
     allow_sfb = solver.param.iter_size == 1
     # rank 0 plans; a plan to follow is read and checked before anyone waits for it
-    pinned = recorded_plan(config, infos, entries, allow_sfb, gpu is not None, momentum) \
-        if rank == 0 else None
+    pinned = recorded_plan(config, infos, entries, allow_sfb, gpu is not None, momentum,
+                           strict=wrap_sync is None) if rank == 0 else None
 
     def make_plan(probed: Any, local: Any) -> Any:  # rank 0's: every worker follows it
         plan, why = pinned or (None, "")
@@ -133,10 +141,12 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
     relay.watch(shard)
     try:
         ep = open_worker(rank, entries, key=key, timeout=config.timeout, stats=stats,
-                         exit_grace=EXIT_GRACE_S, max_frame_bytes=max_frame,
+                         exit_grace=exit_grace, max_frame_bytes=max_frame,
                          snapshot_hint=lambda: str(solver.last_snapshot or "none"))
         if shard_errors:
             ep.fatal(shard_errors[0])
+        if on_endpoint is not None:
+            on_endpoint(ep)
         display = solver.param.display
 
         def report(rnd: int) -> None:
@@ -147,7 +157,8 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
         sync = Syncer(ep, slots, solver.update_layer, planner=make_plan, link=link,
                       levels=config.levels, chunk_bytes=config.chunk_bytes,
                       priority=config.priority, on_round_done=report)
-        solver.attach_sync(sync, momentum_by_sync=sync.momentum_layers)
+        attached = wrap_sync(ep, sync) if wrap_sync is not None else sync
+        solver.attach_sync(attached, momentum_by_sync=sync.momentum_layers)
         try:
             yield
         except CommError:
@@ -196,10 +207,10 @@ def run_managed(config: JobConfig, placement: Placement) -> None:
 
 
 def recorded_plan(config: JobConfig, infos: list[Any], entries: list[Any], allow_sfb: bool,
-                  on_gpu: bool, momentum: float) -> tuple[Any, str] | None:
+                  on_gpu: bool, momentum: float, strict: bool = True) -> tuple[Any, str] | None:
     """Rank 0's plan to follow, and why, when the run has one: ``--plan``'s (a CommError when it
-    does not fit), else the resumed snapshot's where it fits (where not, one line says why and
-    the run plans anew). None: plan from the link."""
+    does not fit, unless not ``strict``), else the resumed snapshot's where it fits (where not,
+    one line says why and the run plans anew). None: plan from the link."""
     from engine import glog
     from engine.caffe_io import FormatError
     from engine.comm.plan_file import read_plan
@@ -228,7 +239,7 @@ def recorded_plan(config: JobConfig, infos: list[Any], entries: list[Any], allow
                         machines=len(topo.machines),
                         sparse=(config.sparse, config.sparse_warmup, momentum))
     except PlanMismatch as e:
-        if config.plan:
+        if config.plan and strict:
             raise CommError(f"--plan {config.plan} does not fit this run: {e}") from None
         glog.info(f"The plan recorded in {source} does not fit this run ({e}): planning anew")
         return None
