@@ -6,15 +6,14 @@ trains with the DWBP syncer attached, and finally says BYE. The launcher starts 
 ``python -m poseidon_cli.launch.worker --rank N [--gpu G] --config JSON`` with the host table on
 its standard input (a PyTorchJob pod starts it without ``--rank``: it meets the others at the
 rendezvous); a worker started by hand (`poseidon train ... --rank N`) or by a cluster manager
-(`srun poseidon train ...`) runs ``run_worker`` in the CLI's process. Its shard gets the table
-on its standard input too.
+(`srun poseidon train ...`) runs ``run_worker`` in the CLI's process. Its shard gets its
+settings, the table and the key on its standard input (shard.py).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -22,14 +21,14 @@ from typing import Any, Callable, Iterator
 # (the package poseidon_cli, imported first, sets one BLAS thread before NumPy loads: a worker
 # started over ssh does not inherit the launcher's environment)
 from engine.comm.errors import CommError
-from engine.comm.hosts import HostEntry, is_local, local_addresses, table_json, table_from_json
+from engine.comm.hosts import HostEntry, is_local, local_addresses, table_from_json
 
 from ..console import user_errors
 from ..training import train_process
 from .config import JobConfig, require_key
 from .managers import Placement, detect
 from .relay import ErrorRelay
-from .shard import EXIT_GRACE_S, shard_command, shard_env
+from .shard import EXIT_GRACE_S, ShardSettings, ShardStarter
 
 def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int | None) -> None:
     """Train as worker ``rank`` of ``entries`` on ``gpu`` (None: the CPU)."""
@@ -52,7 +51,8 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
 def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int | None,
                  key: bytes, solver: Any, exit_grace: float | None = EXIT_GRACE_S,
                  on_endpoint: Callable[[Any], None] | None = None,
-                 wrap_sync: Callable[[Any, Any], Any] | None = None) -> Iterator[None]:
+                 wrap_sync: Callable[[Any, Any], Any] | None = None,
+                 shards: ShardStarter | None = None) -> Iterator[None]:
     """A worker's side of the job around its training: its PS shard (a child process), its
     endpoint, the start-up barrier and the plan, the syncer attached to ``solver``; on the way
     out, the last updates, the replica check and BYE, the shard's end and the counters.
@@ -61,7 +61,8 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
     it goes on to the next generation), ``on_endpoint(ep)`` once the endpoint is open (the
     driver can fail it from then on), ``wrap_sync(ep, syncer)`` after the start-up barrier:
     what to attach instead of the syncer (its boundaries), and its plan is never refused: a
-    --plan that does not fit this generation's workers is replaced, saying why."""
+    --plan that does not fit this generation's workers is replaced, saying why; ``shards``
+    starts each generation's shard ahead of time."""
     from engine import glog
     from engine.comm.bind import describe_net
     from engine.comm.link import LinkError, parse_link
@@ -120,15 +121,9 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
         return plan
 
     max_frame = frame_limit(slots, world, config.chunk_bytes)
-    shard = subprocess.Popen(shard_command(rank, config.timeout, max_frame, config.shard_threads,
-                                           config.timeline),
-                             stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=shard_env(key))
-    assert shard.stdin is not None
-    try:
-        shard.stdin.write((table_json(entries) + "\n").encode())
-        shard.stdin.close()
-    except BrokenPipeError:  # it died at once; its error line comes through the relay
-        pass
+    shard = (shards or ShardStarter()).start(
+        ShardSettings(rank, config.timeout, max_frame, config.shard_threads, config.timeline),
+        key, entries)
     shard_errors: list[str] = []
     ep = None
 

@@ -195,6 +195,8 @@ class DriverClient:
         except zmq.ZMQError as e:
             if not self._stop.is_set():
                 self._lose(f"its socket failed: {e}")
+        except Exception as e:  # a bug here must stop the worker, not leave it waiting
+            self._lose(f"the control thread failed: {type(e).__name__}: {e}")
         finally:
             self._monitor.close(linger=0)
             self._wake_in.close(linger=0)

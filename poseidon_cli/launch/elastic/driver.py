@@ -285,9 +285,13 @@ class Driver:
         g = self.gen
         w.report = msg
         status = msg["status"]
+        if status == "new" and g is not None:
+            self.say(f"Elastic: the worker at {w.slot.host}:{w.slot.port} is ready (pid "
+                     f"{w.pid}): it joins at the next commit")
         member = g is not None and msg["gen"] == g.number and w.state == "member"
-        if status == "left":  # gracefully: its slot is not charged
+        if status == "left":  # gracefully: its slot is not charged with a failure
             w.state = "gone"
+            self.admission.left(w.slot.key, now)
             self.events.left(w.name, msg["reason"] or "SIGTERM", now)
             self.send(w, "exit", reason="left")
         if not member or status == "new":
@@ -470,6 +474,8 @@ class Driver:
         except BrokenPipeError:  # it died at once: _reap says how
             pass
         self.children[slot.key] = Child(proc, relay, slot)
+        self.say(f"Elastic: started the worker at {slot.host}:{slot.port} ({slot.where}; pid "
+                 f"{proc.pid})")
 
     # ------------------------------------------------------------------ generations
     def _member_workers(self, g: Generation) -> list[Worker]:
@@ -569,10 +575,8 @@ class Driver:
         self._assign(chosen, commit, iter_size, now)
 
     def _give_up(self, why: str, seats: list[Seat], commit: int | None, now: float) -> None:
-        s = self.settings
         missing = "; ".join(self.events.changes) or "no worker came"
-        line = (f"elastic: {len(seats) or len(self._joiners(now))} workers, fewer than "
-                f"--min-workers {s.min_workers} can train ({why}; missing: {missing})")
+        line = f"elastic: {why} ({missing})"
         if commit is None:
             self.failure = f"{line}; the newest snapshot on disk: {self._newest_snapshot()}"
             self.done = True

@@ -29,6 +29,7 @@ from engine.comm.errors import CommError
 from ...console import user_errors
 from ...signals import signal_requests
 from ..config import JobConfig, require_key
+from ..shard import ShardStarter
 from .boundary import Commits, ElasticSync
 from .client import DriverClient
 from .protocol import NONCE_CHARS, generation_key
@@ -45,9 +46,13 @@ class Member:
         self.solver: Any = None
         self.sync: ElasticSync | None = None
         self.leaving = False
+        #: each generation's shard is started during the one before
+        self.shards = ShardStarter(ahead=True)
         #: signals that came between generations, for the next one
         self._pending: list[str] = []
         self._plan = "?"
+        #: this worker's rank in its newest generation
+        self.rank: int | None = None
 
     # --------------------------------------------------------------- signals (main thread)
     def request(self, action: str) -> None:
@@ -63,6 +68,21 @@ class Member:
 
     # --------------------------------------------------------------- the loop
     def serve(self) -> None:
+        """Train the generations the driver gives until it says exit. When the driver is
+        lost, the job stops; the last generation's rank 0 writes the newest commit first."""
+        try:
+            self._serve()
+        except CommError as e:
+            if self.client.error is None or self.rank != 0 or self.commits.newest() is None:
+                raise
+            newest = self.commits.newest()
+            assert newest is not None
+            written = self.write(newest.iter)
+            raise CommError(f"{e}; the last commit (iteration {newest.iter}) " + (
+                f"is written to {written['path']}" if written["path"] else
+                f"could not be written: {written['reason']}")) from None
+
+    def _serve(self) -> None:
         self.client.join(os.urandom(NONCE_CHARS // 2).hex(), self.host, self.port, self.machine)
         status, gen, reached, reason = "new", 0, 0, ""
         while True:
@@ -113,6 +133,7 @@ class Member:
         from ...training import build_solver
 
         gen, rank, entries = order["gen"], order["rank"], order["hosts"]
+        self.rank = rank
         glog.set_enabled(rank == 0)
         first = order["source"] == "start"
         config = dataclasses.replace(self.config, weights=self.config.weights if first else (),
@@ -134,7 +155,8 @@ class Member:
             with communicator(config, entries, rank, self.gpu,
                               generation_key(self.key, gen), solver, exit_grace=None,
                               on_endpoint=lambda ep: self.client.watch(gen, ep),
-                              wrap_sync=lambda ep, sync: self._wrap(ep, sync, order)):
+                              wrap_sync=lambda ep, sync: self._wrap(ep, sync, order),
+                              shards=self.shards):
                 self.client.tell("started", gen=gen, plan=self._plan if rank == 0 else "")
                 for action in self._pending:
                     self.request(action)
@@ -208,6 +230,7 @@ def run_member(config: JobConfig, driver: str, host: str, port: int, machine: st
         with signal_requests(member, {**config.signal_effects, "SIGTERM": "leave"}):
             member.serve()
     finally:
+        member.shards.close()
         client.close()
 
 

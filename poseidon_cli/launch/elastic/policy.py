@@ -54,6 +54,13 @@ class Admission:
         r.until = now + wait
         return r.failures, wait
 
+    def left(self, key: Hashable, now: float) -> float:
+        """``key``'s worker left (its manager's notice): it is not a failure, but its machine
+        is going; it is not started again for ``backoff_s``."""
+        r = self._records.setdefault(key, _Record())
+        r.until = now + self.backoff_s
+        return self.backoff_s
+
     def excluded(self, key: Hashable) -> bool:
         r = self._records.get(key)
         return r is not None and r.excluded
@@ -80,7 +87,7 @@ def usable(available: int, min_workers: int, batch: int, global_batch: int | Non
            solver_iter_size: int) -> tuple[int, int] | str:
     """(workers, iter_size) of the largest membership of at most ``available`` workers and at
     least ``min_workers`` that the batch rule allows; or why there is none."""
-    why = f"{available} workers"
+    why = f"{available} workers can train, fewer than --min-workers {min_workers}"
     for p in range(available, min_workers - 1, -1):
         size = iter_size_for(p, batch, global_batch, solver_iter_size)
         if isinstance(size, int):

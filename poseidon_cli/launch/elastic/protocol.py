@@ -56,7 +56,7 @@ _FIELDS: dict[str, dict[str, Any]] = {
     "ask": {"gen": int, "iter": int},
     "started": {"gen": int, "plan": str},
     "finished": {"gen": int, "iter": int},
-    "wrote": {"path": str},
+    "wrote": {"path": str, "reason": str},
     # driver -> worker
     "welcome": {"nonce": str, "wid": int},
     "refuse": {"nonce": str, "reason": str},
