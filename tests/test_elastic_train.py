@@ -306,3 +306,54 @@ def test_a_flapping_worker_backs_off_then_is_excluded_and_the_job_goes_on(jobs, 
     job.wait_for(rf"\] Iteration {reached + 2 * K} \(")
     stop(job)
     assert log.count(f"Elastic: started the worker at {at}") == 3
+
+
+def test_workers_that_join_by_hand_stop_when_the_driver_goes(digits_db, tmp_path):  # noqa: F811
+    """No listing: the driver only takes workers that join with its address (as srun or a
+    pod starts them). kill -9 of the driver (its machine goes): every worker stops, saying so,
+    and the last generation's rank 0 writes the newest commit first."""
+    from engine.comm.auth import write_key_file
+
+    key = tmp_path / "job.key"
+    write_key_file(key)
+    solver = write_run(tmp_path, digits_db, 8, "el", iters=100000, display=1)
+    port = free_base_port(1)
+    common = ["--solver", str(solver), "--elastic", "--key-file", str(key), "--commit-every",
+              str(K), "--timeout", "10"]
+    procs: list[subprocess.Popen] = []
+
+    def run(args: list[str], log: Path) -> subprocess.Popen:
+        procs.append(subprocess.Popen([sys.executable, "-m", "poseidon_cli.main", "train",
+                                       *common, *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                      stderr=log.open("w"), start_new_session=True))
+        return procs[-1]
+
+    logs = [tmp_path / f"w{i}.log" for i in range(2)]
+    driver = run(["--min-workers", "2", "--rendezvous-port", str(port)], tmp_path / "d.log")
+    workers = [run(["--rendezvous", f"127.0.0.1:{port}"], log) for log in logs]
+    try:
+        deadline = time.monotonic() + LINE_S
+        while not any(re.search(rf"\] Iteration {2 * K + 2} ", l.read_text()) for l in logs):
+            assert time.monotonic() < deadline and driver.poll() is None, \
+                (tmp_path / "d.log").read_text()[-2000:]
+            time.sleep(0.02)
+        os.kill(driver.pid, signal.SIGKILL)
+        for w in workers:
+            assert w.wait(LINE_S) != 0
+        said = {}
+        for log in logs:
+            [line] = [l for l in log.read_text().splitlines() if l.startswith(ERROR)]
+            assert line.startswith(f"{ERROR}lost the elastic driver at 127.0.0.1:{port}: its "
+                                   "connection closed (the driver process ended); the job "
+                                   "stops, as a torchrun job stops"), line
+            said[log] = line
+        [written] = [l for l in said.values() if "the last commit" in l]
+        m = re.search(r"the last commit \(iteration (\d+)\) is written to (\S+)$", written)
+        assert m and int(m.group(1)) % K == 0 and int(m.group(1)) >= 2 * K, written
+        assert Path(m.group(2)).is_file()
+    finally:
+        for p in procs:
+            for pid in tree(p.pid)[::-1]:
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+            p.wait()

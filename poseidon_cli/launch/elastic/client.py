@@ -69,7 +69,7 @@ class DriverClient:
         """Send a message to the driver (it leaves at once, from the control thread)."""
         self._raise_if_lost()
         self._outgoing.put((kind, fields))
-        self._wake_out.send(b"")
+        self._wake()
 
     def join(self, nonce: str, host: str, port: int, machine: str) -> int:
         """Register with the driver; this worker's id, or CommError with the refusal."""
@@ -153,10 +153,17 @@ class DriverClient:
             while not self._outgoing.empty() and time.monotonic() < deadline:
                 time.sleep(0.01)
         self._stop.set()
-        self._wake_out.send(b"")
+        self._wake()
         self._thread.join(5)
         self._wake_out.close(linger=0)
         self._ctx.destroy(linger=1000)
+
+    def _wake(self) -> None:
+        """Wake the control thread (never blocks: a thread that has ended needs no waking)."""
+        try:
+            self._wake_out.send(b"", zmq.NOBLOCK)
+        except zmq.Again:
+            pass
 
     def _raise_if_lost(self) -> None:
         if self.error is not None:
