@@ -101,14 +101,17 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
             plan = plan_for(solver.net, infos, entries, config, probed, local,
                             allow_sfb=allow_sfb, on_gpu=gpu is not None, momentum=momentum)
             why = plan.why()
-        glog.info(f"Communication plan for {world} workers: {plan.summary()} ({why})")
+        levels = (f" ({world // plan.slots} machines of {plan.slots}, reducing inside each "
+                  "machine first)" if plan.slots > 1 else "")
+        glog.info(f"Communication plan for {world} workers{levels}: {plan.summary()} ({why})")
         written = f"{solver.snapshot_prefix()}_plan.prototxt"
         try:
             write_plan(written, plan.to_pb())
             glog.info(f"Plan written to {written}: `--plan {written}` makes another run follow it")
         except OSError as e:
             glog.warning(f"cannot write the plan to {written}: {describe_os_error(e)}")
-        glog.info(plan_table(plan, world))
+        if config.verbose:
+            glog.info(plan_table(plan, world))
         glog.info(f"The losses and outputs below are rank 0's, over its {total // world} of the "
                   f"{total} images of each iteration")
         stats.extra["plan"] = [{"layer": p.info.name, "index": p.info.layer,
@@ -146,7 +149,8 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
 
         def report(rnd: int) -> None:
             if rank == 0 and display and (rnd + 1) % display == 0:
-                for line in stats.format_lines():
+                lines = stats.format_lines()
+                for line in lines if config.verbose else lines[:1]:
                     glog.info(line)
 
         sync = Syncer(ep, slots, solver.update_layer, planner=make_plan, link=link,
