@@ -629,13 +629,14 @@ class Solver:
                                       [layer.position() for layer in self.net.data_layers],
                                       self.sync_state(), learned_net)
 
-    def commit(self) -> snapshots.Commit:
+    def commit(self, into: snapshots.Commit | None = None) -> snapshots.Commit:
         """The state a snapshot at this iteration would write, copied in memory (elastic
-        training's commit); waits for every update in flight first."""
+        training's commit), into the arrays of ``into`` (a commit no longer needed) where they
+        fit; waits for every update in flight first."""
         self.wait_all()
         return snapshots.take_commit(self.net, self.history, self.iter, self.current_step,
                                      [layer.position() for layer in self.net.data_layers],
-                                     self.sync_state())
+                                     self.sync_state(), into)
 
     def state_arrays(self) -> list[Any]:
         """The live arrays a commit holds copies of, in its order (weights, then history)."""

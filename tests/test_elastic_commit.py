@@ -47,6 +47,16 @@ def test_going_on_from_a_commit_equals_resuming_from_the_snapshot(digits_db, tmp
         s.close()
 
 
+def test_a_commit_into_a_spare_overwrites_its_arrays(digits_db, tmp_path):  # noqa: F811
+    s = Solver(str(write_run(tmp_path, digits_db, 8, "s", iters=12)))
+    old = s.commit()
+    s.step(3)
+    new = s.commit(into=old)
+    assert new.iter == 3 and all(a is b for a, b in zip(new.arrays, old.arrays))
+    assert all(np.array_equal(a, b) for a, b in zip(new.arrays, params(s) + s.history))
+    s.close()
+
+
 def test_a_commit_written_to_disk_is_the_snapshot_of_its_iteration(digits_db, tmp_path):  # noqa: F811
     solver_file = write_run(tmp_path, digits_db, 8, "w", iters=12)
     s = Solver(str(solver_file))

@@ -117,12 +117,20 @@ def test_the_survivors_go_on_from_the_newest_commit_they_all_hold():
         (0, 9004, 0, 0), (1, 9008, 0, 1), (2, 9000, 1, 0)]
 
 
-def test_a_worker_keeps_its_two_newest_commits():
+def test_a_worker_keeps_its_two_newest_commits_of_one_timeline():
     from engine.snapshots import Commit
     held = Commits()
+    assert held.spare() is None
     for it in (0, 5, 10, 10):
         held.add(Commit(it, 0, [], b"", [], 0))
     assert held.iterations() == [5, 10] and held.newest().iter == 10
+    spare = held.spare()
+    assert spare is not None and spare.iter == 5
+    spare.iter = 15  # overwritten by the next commit
+    held.add(spare)
+    assert held.iterations() == [10, 15] and held.get(15) is spare
+    held.restart(held.get(10))  # a generation goes on from 10: 15 was another timeline's
+    assert held.iterations() == [10]
 
 
 def test_the_hosts_file_is_read_again_when_it_changes(tmp_path):

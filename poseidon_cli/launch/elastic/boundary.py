@@ -25,15 +25,28 @@ from .protocol import COMMITS_HELD
 
 
 class Commits:
-    """The newest commits this worker holds, by iteration."""
+    """The newest commits this worker holds, by iteration, all of one timeline (from the
+    commit its generation started from on)."""
 
     def __init__(self) -> None:
         self._held: dict[int, Commit] = {}
 
     def add(self, commit: Commit) -> None:
+        for it in [it for it, c in self._held.items() if c is commit]:
+            del self._held[it]  # a spare overwritten: it holds another iteration now
         self._held[commit.iter] = commit
         for it in sorted(self._held)[:-COMMITS_HELD]:
             del self._held[it]
+
+    def restart(self, commit: Commit) -> None:
+        """A generation starts from ``commit``: what this worker held beyond it was trained
+        in a generation that failed, and must never be gone on from."""
+        self._held = {commit.iter: commit}
+
+    def spare(self) -> Commit | None:
+        """The commit the next one may overwrite: the older of two. When a worker commits
+        c + K, every worker has committed c (membership.py), so nobody goes back before c."""
+        return self._held[min(self._held)] if len(self._held) == COMMITS_HELD else None
 
     def get(self, iteration: int) -> Commit:
         return self._held[iteration]
@@ -94,7 +107,7 @@ class ElasticSync:
         due = it % self.commit_every == 0
         if not (leave or due):
             return snapshot
-        self.commits.add(self.solver.commit())
+        self.commits.add(self.solver.commit(into=self.commits.spare()))
         if leave:
             self.ended = "leave"
         elif self.client.ask(self.gen, it) == "regroup":

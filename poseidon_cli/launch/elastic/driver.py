@@ -40,7 +40,7 @@ from .events import EventLog
 from .membership import Seat, common_commit, table_of
 from .policy import Admission, lr_scale, usable
 from .protocol import WORKER_KINDS, WORKER_MESSAGE_BYTES, authenticate, encode, parse
-from .sources import Slot
+from .sources import BY_HAND, Slot
 
 _POLL_MS = 50
 
@@ -257,14 +257,15 @@ class Driver:
     def _on_join(self, ident: bytes, conn: tuple[int, int], msg: dict[str, Any],
                  now: float) -> None:
         key = (msg["host"], msg["port"])
-        slot = self.listed.get(key) or Slot(msg["host"], msg["port"], msg["machine"], 0,
-                                            "joined by hand")
+        # a machine is its name at its address: emulated hosts share the name, not the address
+        slot = self.listed.get(key) or Slot(msg["host"], msg["port"],
+                                            f"{msg['machine']}@{msg['host']}", 0, BY_HAND)
 
         def refuse(reason: str) -> None:
             self._sock.send_multipart([ident, *encode(self._signer, "refuse",
                                                       nonce=msg["nonce"], reason=reason)])
 
-        if self.admission.excluded(key):
+        if self.admission.excluded(slot.identity):
             refuse(f"elastic driver at port {self.port}: the worker at {key[0]}:{key[1]} is "
                    "excluded from this job (it failed again and again right after joining)")
             return
@@ -291,7 +292,7 @@ class Driver:
         member = g is not None and msg["gen"] == g.number and w.state == "member"
         if status == "left":  # gracefully: its slot is not charged with a failure
             w.state = "gone"
-            self.admission.left(w.slot.key, now)
+            self.admission.left(w.slot.identity, now)
             self.events.left(w.name, msg["reason"] or "SIGTERM", now)
             self.send(w, "exit", reason="left")
         if not member or status == "new":
@@ -312,7 +313,7 @@ class Driver:
             self.send(w, "decision", gen=msg["gen"], iter=it, answer="abort")
             return
         if it > g.start:
-            self.admission.progressed(w.slot.key)
+            self.admission.progressed(w.slot.identity)
         answer = g.decisions.get(it)
         if answer is None:
             answer = "regroup" if self._change_pending(g) else "continue"
@@ -371,7 +372,7 @@ class Driver:
     def _charge(self, slot: Slot, now: float) -> None:
         if self.done or self._stopping is not None:
             return
-        failures, wait = self.admission.failed(slot.key, now)
+        failures, wait = self.admission.failed(slot.identity, now)
         at = f"{slot.host}:{slot.port}"
         if wait is None:
             self.events.note(f"worker at {at} excluded: it failed {failures} times in a row "
@@ -442,7 +443,8 @@ class Driver:
         for key, slot in self.listed.items():
             busy = key in self.children or any(w.slot.key == key and w.state != "gone"
                                                for w in self.workers.values())
-            if not busy and self.launch_here(slot) and self.admission.eligible(key, now):
+            if not busy and self.launch_here(slot) and self.admission.eligible(slot.identity,
+                                                                              now):
                 self._start(slot)
 
     def _start(self, slot: Slot) -> None:
@@ -496,7 +498,7 @@ class Driver:
         return not isinstance(choice, str) and choice[0] != len(members)
 
     def _delisted(self, w: Worker) -> bool:
-        return w.slot.where != "joined by hand" and w.slot.key not in self.listed
+        return w.slot.where != BY_HAND and w.slot.key not in self.listed
 
     def _joiners(self, now: float) -> list[Worker]:
         """Workers free to join, in the listing's order, then those that joined by hand in
@@ -504,7 +506,7 @@ class Driver:
         order = {key: i for i, key in enumerate(self.listed)}
         return sorted((w for w in self.workers.values()
                        if w.state == "idle" and w.report is not None and not self._delisted(w)
-                       and self.admission.eligible(w.slot.key, now)),
+                       and self.admission.eligible(w.slot.identity, now)),
                       key=lambda w: (order.get(w.slot.key, len(order)), w.joined_at))
 
     def _advance(self, now: float) -> None:
@@ -559,8 +561,9 @@ class Driver:
         cap = min(s.max_workers or len(candidates), len(candidates))
         choice = usable(cap, s.min_workers, self.facts.batch, s.global_batch,
                         self.facts.iter_size)
-        if g is None:
-            expected = min(s.max_workers or 10 ** 9, max(len(self.listed), s.min_workers))
+        if g is None:  # the first generation waits for every worker listed (or --max-workers)
+            expected = min(s.max_workers or 10 ** 9,
+                           len(self.listed) or s.max_workers or s.min_workers)
             if len(candidates) < expected and now - self.t0 < self.timeout:
                 return
         if isinstance(choice, str):
@@ -614,7 +617,7 @@ class Driver:
                 self.events.came(f"worker at {w.slot.host}:{w.slot.port} ({w.slot.where})",
                                  now)
             w.state, w.report, w.rank = "member", None, rank
-            self.admission.joined(w.slot.key)
+            self.admission.joined(w.slot.identity)
             self.send(w, "assign", gen=number, rank=rank, hosts=rows, commit=start,
                       source=source, joiners=joiners, iter_size=iter_size, lr_scale=scale,
                       commit_every=self.settings.commit_every)

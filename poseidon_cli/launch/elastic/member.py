@@ -193,11 +193,15 @@ class Member:
         if order["source"] == "peer":
             live = solver.state_arrays()
             got = receive_commit(ep, live, start, len(solver.net.data_layers), chunk)
-            solver.restore_commit(Commit(start, got.current_step, got.data_positions, b"",
-                                         got.arrays, len(live) - len(solver.history)))
-        commit = solver.commit()
+            commit = Commit(start, got.current_step, got.data_positions, b"", got.arrays,
+                            len(live) - len(solver.history))
+            solver.restore_commit(commit)
+        elif order["source"] == "memory":
+            commit = self.commits.get(start)
+        else:
+            commit = solver.commit()
         commit.sync_state = sync.state()  # the plan this generation follows
-        self.commits.add(commit)
+        self.commits.restart(commit)
         self.sync = ElasticSync(sync, solver, self.commits, self.client, order["gen"],
                                 solver.iter, order["commit_every"])
         return self.sync

@@ -17,6 +17,8 @@ from typing import Callable, Sequence
 
 from engine.comm.hosts import HostEntry, HostsError, check_resolvable, parse_hosts_text
 
+#: where a worker that joined with the driver's address was "listed"
+BY_HAND = "joined by hand"
 #: a discovery command that runs longer than this is stopped and named
 DISCOVERY_TIMEOUT_S = 30.0
 
@@ -36,6 +38,13 @@ class Slot:
     @property
     def key(self) -> tuple[str, int]:
         return (self.host, self.port)
+
+    @property
+    def identity(self) -> object:
+        """Whom back-off and exclusion follow: a listed slot; a worker that joined by hand is
+        known by its machine's name (a pod that restarts keeps its name, not its address or
+        port), so all such workers of one machine back off together."""
+        return self.machine.rsplit("@", 1)[0] if self.where == BY_HAND else self.key
 
 
 def slots_of(entries: Sequence[HostEntry]) -> list[Slot]:
