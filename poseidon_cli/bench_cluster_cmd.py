@@ -44,18 +44,14 @@ def cluster(solver: str, workers: str, schemes: str, bandwidth: str, compute: st
     """Real workers in network namespaces over shaped links, next to `simulate`'s prediction."""
     from .benches import cluster as bench
     from engine.comm.link import parse_bandwidth
-    from engine.perf.netns import ClusterError, check_root, cleanup_stale
+    from engine.perf.netns import ClusterError
 
     if compute == "replay" and trace_path is None:
         fail("--compute replay needs --trace (layer times to replay)")
     if iters < 2 or warmup < 1:
         fail("--iters must be at least 2 and --warmup at least 1")
     with user_errors():
-        try:
-            check_root()
-        except ClusterError as e:
-            fail(str(e))
-        cleanup_stale()
+        namespaces_or_fail()
         counts = parse_workers(workers)
         wanted = [s.strip() for s in schemes.split(",") if s.strip()]
         bits = parse_bandwidth(bandwidth)
@@ -98,6 +94,18 @@ def cluster(solver: str, workers: str, schemes: str, bandwidth: str, compute: st
             Path(json_path).write_text(json.dumps(report, indent=1) + "\n")
         if plot:
             _plot(rows, plot, f"{Path(solver).parent.name}, {bandwidth}, compute {compute}")
+
+
+def namespaces_or_fail() -> None:
+    """Root and iproute2, or one line saying what is missing; then remove what an emulated
+    cluster killed midway left behind."""
+    from engine.perf.netns import ClusterError, check_root, cleanup_stale
+
+    try:
+        check_root()
+    except ClusterError as e:
+        fail(str(e))
+    cleanup_stale()
 
 
 def _plot(rows: list, path: str, title: str) -> None:

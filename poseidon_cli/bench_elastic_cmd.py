@@ -37,16 +37,14 @@ def elastic(solver: str, trace_path: str, workers: str, bandwidth: str, time_sca
             json_path: str | None) -> None:
     """Recovery time and iterations lost per failure, elastic and by hand."""
     from engine.comm.link import parse_bandwidth
-    from engine.perf.netns import ClusterError, check_root, cleanup_stale
+    from engine.perf.netns import ClusterError
+
+    from .bench_cluster_cmd import namespaces_or_fail
 
     from .benches import elastic as bench
 
     with user_errors():
-        try:
-            check_root()
-        except ClusterError as e:
-            fail(str(e))
-        cleanup_stale()
+        namespaces_or_fail()
         counts = parse_workers(workers)
         bits = parse_bandwidth(bandwidth)
     kill = kill_at or 2 * commit_every + commit_every // 2

@@ -38,23 +38,11 @@ from ..config import JobConfig
 from ..relay import ErrorRelay
 from .events import EventLog
 from .membership import Seat, common_commit, table_of
-from .policy import Admission, lr_scale, usable
+from .policy import Admission, ElasticSettings, lr_scale, usable
 from .protocol import WORKER_KINDS, WORKER_MESSAGE_BYTES, authenticate, encode, parse
 from .sources import BY_HAND, Slot
 
 _POLL_MS = 50
-
-
-@dataclass(frozen=True)
-class ElasticSettings:
-    """The driver's options (train_cmd.py declares them)."""
-    min_workers: int
-    max_workers: int | None
-    commit_every: int
-    lr: str
-    global_batch: int | None
-    backoff_s: float
-    max_failures: int
 
 
 @dataclass(frozen=True)
@@ -307,9 +295,7 @@ class Driver:
     def _on_ask(self, w: Worker, msg: dict[str, Any], now: float) -> None:
         g, it = self.gen, msg["iter"]
         if g is None or msg["gen"] != g.number or g.state == "failed" or w.state != "member":
-            why = g.reason if g is not None and g.state == "failed" else "not in this generation"
-            if why and g is not None and g.state != "failed":
-                why = f"{w.name} is not in generation {g.number}"
+            # the abort message it was (or is being) sent says why
             self.send(w, "decision", gen=msg["gen"], iter=it, answer="abort")
             return
         if it > g.start:

@@ -18,6 +18,18 @@ from dataclasses import dataclass, field
 from typing import Hashable
 
 
+@dataclass(frozen=True)
+class ElasticSettings:
+    """The driver's rules, as --elastic's options set them (start.py declares them)."""
+    min_workers: int
+    max_workers: int | None
+    commit_every: int
+    lr: str
+    global_batch: int | None
+    backoff_s: float
+    max_failures: int
+
+
 @dataclass
 class _Record:
     failures: int = 0  # in a row, without progress in between

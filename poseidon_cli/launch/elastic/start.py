@@ -15,6 +15,7 @@ import click
 from engine.comm.errors import CommError
 
 from ..config import JobConfig
+from .policy import ElasticSettings
 
 #: iterations between commits unless --commit-every says otherwise (README: measured cost)
 DEFAULT_COMMIT_EVERY = 10
@@ -25,13 +26,9 @@ DEFAULT_DISCOVERY_S = 3.0
 
 @dataclass(frozen=True)
 class ElasticOptions:
-    min_workers: int | None
-    max_workers: int | None
-    commit_every: int
-    lr: str
-    global_batch: int | None
-    backoff_s: float
-    max_failures: int
+    """--elastic's options: the driver's settings (None for a worker that joins by hand,
+    --rendezvous), its port and where it finds its workers."""
+    settings: ElasticSettings | None
     rendezvous: str | None
     rendezvous_port: int
     discovery: str | None
@@ -93,14 +90,18 @@ def take_options(options: dict[str, Any]) -> ElasticOptions | None:
         if used:
             raise CommError(f"--{used[0].replace('_', '-')} is an option of --elastic")
         return None
-    if given["rendezvous"] is None and given["min_workers"] is None:
-        raise CommError("--elastic needs --min-workers N (the job stops when fewer can train)")
     mx, mn = given["max_workers"], given["min_workers"]
-    if mx is not None and mn is not None and mx < mn:
-        raise CommError(f"--max-workers {mx} is below --min-workers {mn}")
-    return ElasticOptions(mn, mx, given["commit_every"], given["elastic_lr"],
-                          given["global_batch"], given["backoff"], given["max_failures"],
-                          given["rendezvous"], given["rendezvous_port"],
+    settings = None
+    if given["rendezvous"] is None:
+        if mn is None:
+            raise CommError("--elastic needs --min-workers N (the job stops when fewer can "
+                            "train)")
+        if mx is not None and mx < mn:
+            raise CommError(f"--max-workers {mx} is below --min-workers {mn}")
+        settings = ElasticSettings(mn, mx, given["commit_every"], given["elastic_lr"],
+                                   given["global_batch"], given["backoff"],
+                                   given["max_failures"])
+    return ElasticOptions(settings, given["rendezvous"], given["rendezvous_port"],
                           given["host_discovery"], given["discovery_interval"])
 
 
@@ -129,10 +130,11 @@ def drive(config: JobConfig, opts: ElasticOptions, hosts: str | None, host_list:
     from engine.comm.hosts import is_local, local_addresses
 
     from ..tables import resolve
-    from .driver import BatchFacts, Driver, ElasticSettings
+    from .driver import Driver
     from .sources import Discovery, Fixed, HostsFile, slots_of
 
-    assert opts.min_workers is not None
+    s = opts.settings
+    assert s is not None
     pinned = config.gpus if config.pin_gpus else None
     entries = resolve(hosts, host_list, nproc, pinned) if (hosts or host_list or nproc) else []
     here = local_addresses()
@@ -151,18 +153,15 @@ def drive(config: JobConfig, opts: ElasticOptions, hosts: str | None, host_list:
     else:
         source = Fixed(slots_of(entries), host_list and f"-H {host_list}" or
                        (f"-n {nproc}" if nproc else "workers that join by hand"))
-    settings = ElasticSettings(opts.min_workers, opts.max_workers, opts.commit_every, opts.lr,
-                               opts.global_batch, opts.backoff_s, opts.max_failures)
-    driver = Driver(config, settings, source, key, batch_facts(config.solver),
-                    opts.rendezvous_port, launch)
+    driver = Driver(config, s, source, key, batch_facts(config.solver), opts.rendezvous_port,
+                    launch)
     glog.info(f"Elastic driver at {socket.gethostname()}:{driver.port} (a worker joins with "
               f"`poseidon train --solver {config.solver} --elastic --rendezvous "
-              f"{socket.gethostname()}:{driver.port} --key-file KEY`): {opts.min_workers} to "
-              f"{opts.max_workers or 'any number of'} workers, a commit every "
-              f"{opts.commit_every} iterations; each worker keeps its batch, so P workers train "
-              "with P times the batch"
-              + (f" (--global-batch {opts.global_batch}: iter_size adapts)"
-                 if opts.global_batch else ""))
+              f"{socket.gethostname()}:{driver.port} --key-file KEY`): {s.min_workers} to "
+              f"{s.max_workers or 'any number of'} workers, a commit every {s.commit_every} "
+              "iterations; each worker keeps its batch, so P workers train with P times the "
+              "batch" + (f" (--global-batch {s.global_batch}: iter_size adapts)"
+                         if s.global_batch else ""))
     driver.run()
 
 
