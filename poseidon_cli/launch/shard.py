@@ -5,8 +5,8 @@ SIGHUP (the worker acts on those, and needs its shard to snapshot or stop at the
 iteration), and ends when its peers say BYE or go silent. Everything it needs comes as one
 line of JSON on its standard input (``ShardSettings``: its index, the host table, the job key
 and its limits), never on the command line; it reads that line only once its imports are done,
-so a worker may start it ahead of time (``ShardStarter(ahead=True)``: an elastic worker needs
-a new shard for every generation, and the imports take a second or two of a recovery).
+so a worker may start it ahead of time (``ShardStarter.prepare``: an elastic worker needs a new
+shard for every generation, and the imports would take a second or two of a recovery).
 """
 from __future__ import annotations
 
@@ -66,21 +66,26 @@ def shard_command() -> list[str]:
 
 
 class ShardStarter:
-    """Starts a worker's shard processes; with ``ahead``, the next one is started as soon as
-    one is taken, so it has done its imports when the next generation needs it."""
+    """Starts a worker's shard processes: the one ``prepare`` started ahead when there is one
+    (it has done its imports), else a new one."""
 
-    def __init__(self, ahead: bool = False) -> None:
-        self.ahead = ahead
+    def __init__(self) -> None:
         self._ready: subprocess.Popen | None = None
 
     def _spawn(self) -> subprocess.Popen:
         return subprocess.Popen(shard_command(), stdin=subprocess.PIPE, stderr=subprocess.PIPE)
 
+    def prepare(self) -> None:
+        """Start the next shard now, to wait for its settings (an elastic worker calls it once
+        a generation trains, so the imports do not compete with the next one's start)."""
+        if self._ready is None or self._ready.poll() is not None:
+            self._ready = self._spawn()
+
     def start(self, settings: ShardSettings, key: bytes,
               entries: Sequence[HostEntry]) -> subprocess.Popen:
         proc = self._ready if self._ready is not None and self._ready.poll() is None \
             else self._spawn()
-        self._ready = self._spawn() if self.ahead else None
+        self._ready = None
         assert proc.stdin is not None
         try:
             proc.stdin.write(settings.line(key, entries))

@@ -47,7 +47,7 @@ class Member:
         self.sync: ElasticSync | None = None
         self.leaving = False
         #: each generation's shard is started during the one before
-        self.shards = ShardStarter(ahead=True)
+        self.shards = ShardStarter()
         #: signals that came between generations, for the next one
         self._pending: list[str] = []
         self._plan = "?"
@@ -158,6 +158,7 @@ class Member:
                               wrap_sync=lambda ep, sync: self._wrap(ep, sync, order),
                               shards=self.shards):
                 self.client.tell("started", gen=gen, plan=self._plan if rank == 0 else "")
+                self.shards.prepare()  # the next generation's
                 for action in self._pending:
                     self.request(action)
                 self._pending = []
