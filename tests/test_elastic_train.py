@@ -15,6 +15,7 @@ victim's gradients of c + 2 at most were sent, so nobody can have committed c + 
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -175,7 +176,8 @@ def test_kill_9_of_a_worker_leaves_three_that_go_on_from_the_commit(rank, jobs, 
     on it equals a 3-worker run resumed from it; it lost at most K iterations. For rank 0 the
     log and the snapshots move to the new rank 0 (another process writes them)."""
     job = Job(tmp_path, digits_db, 4, iters=40)
-    jobs.append(job.start("--min-workers", "3", "--backoff", "600"))
+    stats = tmp_path / "stats.json"
+    jobs.append(job.start("--min-workers", "3", "--backoff", "600", "--stats", str(stats)))
     job.wait_for(r"Elastic generation 1: 4 workers")
     victim = job.member(rank)
     job.wait_for(rf"Iteration {2 * K + 2} ")
@@ -191,6 +193,9 @@ def test_kill_9_of_a_worker_leaves_three_that_go_on_from_the_commit(rank, jobs, 
     if rank == 0:  # the new rank 0 is another process: its log lines carry its pid
         pid_of = re.compile(r"^I\d{4} \S+ (\d+) solver\.py:\d+\] Optimization Done", re.M)
         assert int(pid_of.search(after).group(1)) != victim
+    counts = json.loads(stats.read_text())["elastic"]
+    assert (counts["generations"], counts["lost"], counts["joined"], counts["left"],
+            counts["iterations_lost"], len(counts["recovery_s"])) == (2, 1, 0, 0, lost, 1)
     same_bits(resumed_reference(job, digits_db, 3, commit),
               tmp_path / f"el_iter_{job.iters}.caffemodel")
 
@@ -357,3 +362,24 @@ def test_workers_that_join_by_hand_stop_when_the_driver_goes(digits_db, tmp_path
                 if alive(pid):
                     os.kill(pid, signal.SIGKILL)
             p.wait()
+
+
+def test_the_global_batch_is_kept_by_iter_size_and_a_worker_it_cannot_use_waits(
+        jobs, digits_db, tmp_path):  # noqa: F811
+    """--global-batch 32 with a batch of 8: 3 workers cannot keep it (32 / 24), 2 can with
+    iter_size 2; the third waits, and takes the place of one that is lost (from rank 0's
+    state). --elastic-lr linear leaves base_lr alone while the global batch stays."""
+    job = Job(tmp_path, digits_db, 3, iters=100000, snapshot=0)
+    jobs.append(job.start("--min-workers", "2", "--backoff", "600", "--global-batch", "32",
+                          "--elastic-lr", "linear"))
+    job.wait_for(r"Elastic generation 1: 2 workers from iteration 0; global batch 2 x 8 x "
+                 r"iter_size 2 = 32; plan")
+    victim = job.member(1)
+    job.wait_for(rf"\] Iteration {2 * K + 2} \(")
+    os.kill(victim, signal.SIGKILL)
+    m = job.wait_for(rf"Elastic: lost worker 1 \(127\.0\.0\.1:{job.port(1)}\): killed by signal "
+                     rf"9; worker at 127\.0\.0\.1:{job.port(2)} \(.*:3\) came\. Generation 2: 2 "
+                     r"workers from commit (\d+) .*; global batch 2 x 8 x iter_size 2 = 32; plan")
+    job.wait_for(rf"\] Iteration {int(m.group(1)) + K} \(")
+    stop(job)
+    assert "base_lr x" not in job.text() and ", lr = 0.01" in job.text()

@@ -47,7 +47,7 @@ _POLL_MS = 50
 
 @dataclass(frozen=True)
 class BatchFacts:
-    """The solver's batch per worker and pass, its iter_size and base_lr (for the log)."""
+    """The solver's batch per worker and pass, and its iter_size: what the batch rule needs."""
     batch: int
     iter_size: int
 
