@@ -253,7 +253,7 @@ class Driver:
             self._sock.send_multipart([ident, *encode(self._signer, "refuse",
                                                       nonce=msg["nonce"], reason=reason)])
 
-        if self.admission.excluded(slot.identity):
+        if self.admission.excluded(slot.key):
             refuse(f"elastic driver at port {self.port}: the worker at {key[0]}:{key[1]} is "
                    "excluded from this job (it failed again and again right after joining)")
             return
@@ -280,7 +280,7 @@ class Driver:
         member = g is not None and msg["gen"] == g.number and w.state == "member"
         if status == "left":  # gracefully: its slot is not charged with a failure
             w.state = "gone"
-            self.admission.left(w.slot.identity, now)
+            self.admission.left(w.slot.key, now)
             self.events.left(w.name, msg["reason"] or "SIGTERM", now)
             self.send(w, "exit", reason="left")
         if not member or status == "new":
@@ -299,7 +299,7 @@ class Driver:
             self.send(w, "decision", gen=msg["gen"], iter=it, answer="abort")
             return
         if it > g.start:
-            self.admission.progressed(w.slot.identity)
+            self.admission.progressed(w.slot.key)
         answer = g.decisions.get(it)
         if answer is None:
             answer = "regroup" if self._change_pending(g) else "continue"
@@ -358,7 +358,7 @@ class Driver:
     def _charge(self, slot: Slot, now: float) -> None:
         if self.done or self._stopping is not None:
             return
-        failures, wait = self.admission.failed(slot.identity, now)
+        failures, wait = self.admission.failed(slot.key, now)
         at = f"{slot.host}:{slot.port}"
         if wait is None:
             self.events.note(f"worker at {at} excluded: it failed {failures} times in a row "
@@ -429,7 +429,7 @@ class Driver:
         for key, slot in self.listed.items():
             busy = key in self.children or any(w.slot.key == key and w.state != "gone"
                                                for w in self.workers.values())
-            if not busy and self.launch_here(slot) and self.admission.eligible(slot.identity,
+            if not busy and self.launch_here(slot) and self.admission.eligible(slot.key,
                                                                               now):
                 self._start(slot)
 
@@ -492,7 +492,7 @@ class Driver:
         order = {key: i for i, key in enumerate(self.listed)}
         return sorted((w for w in self.workers.values()
                        if w.state == "idle" and w.report is not None and not self._delisted(w)
-                       and self.admission.eligible(w.slot.identity, now)),
+                       and self.admission.eligible(w.slot.key, now)),
                       key=lambda w: (order.get(w.slot.key, len(order)), w.joined_at))
 
     def _advance(self, now: float) -> None:
@@ -603,7 +603,7 @@ class Driver:
                 self.events.came(f"worker at {w.slot.host}:{w.slot.port} ({w.slot.where})",
                                  now)
             w.state, w.report, w.rank = "member", None, rank
-            self.admission.joined(w.slot.identity)
+            self.admission.joined(w.slot.key)
             self.send(w, "assign", gen=number, rank=rank, hosts=rows, commit=start,
                       source=source, joiners=joiners, iter_size=iter_size, lr_scale=scale,
                       commit_every=self.settings.commit_every)

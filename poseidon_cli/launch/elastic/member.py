@@ -18,6 +18,7 @@ the next. SIGTERM is its manager's notice: it leaves at the next boundary everyo
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -138,7 +139,8 @@ class Member:
         first = order["source"] == "start"
         config = dataclasses.replace(self.config, weights=self.config.weights if first else (),
                                      snapshot=self.config.snapshot if first else None)
-        solver = None
+        solver = self.solver = None  # the last generation's: its memory goes first
+        gc.collect()
         try:
             solver = self.solver = build_solver(config, RunContext(rank=rank,
                                                                    world_size=len(entries)))

@@ -39,12 +39,6 @@ class Slot:
     def key(self) -> tuple[str, int]:
         return (self.host, self.port)
 
-    @property
-    def identity(self) -> object:
-        """Whom back-off and exclusion follow: a listed slot; a worker that joined by hand is
-        known by its machine's name (a pod that restarts keeps its name, not its address or
-        port), so all such workers of one machine back off together."""
-        return self.machine.rsplit("@", 1)[0] if self.where == BY_HAND else self.key
 
 
 def slots_of(entries: Sequence[HostEntry]) -> list[Slot]:
