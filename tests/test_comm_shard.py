@@ -18,14 +18,13 @@ import pytest
 
 from engine.comm.aggregate import ChunkSum, pin, sum_in_rank_order
 from engine.comm.errors import CommError
-from engine.comm.hosts import parse_hosts_text
-
 from engine.comm.schemes.ps import PSParam, make_layout
 from engine.comm.shard import DEFAULT_THREADS, ShardServer
 from engine.comm.transport import Message, header, message_key
 from engine.pb import poseidon_pb2 as pb
-from engine.perf.bench_shard import SHARD0, push, synthetic_worker, take_sums
+from poseidon_cli.benches.shard import SHARD0, push, synthetic_worker, take_sums
 from poseidon_cli.launch.config import JobConfig
+from poseidon_cli.launch.hostfile import parse_hosts_text
 from poseidon_cli.launch.shard import ShardSettings, read_settings
 from tests.test_comm_train import digits_db, poseidon, weights, write_hosts, write_run  # noqa: F401
 from tests.test_comm_transport import KEY, local_hosts

@@ -34,11 +34,11 @@ import zmq
 from google.protobuf import text_format
 
 from engine.caffe_io import blob_to_array, read_net_binary, read_net_prototxt
-from engine.comm.planner import cost_ps_node, cost_ps_worker, cost_ring, cost_sfb
+from engine.comm.cost import cost_ps_node, cost_ps_worker, cost_ring, cost_sfb
 from engine.pb import caffe_pb2
 from engine.pb import poseidon_pb2 as pb
+from poseidon_cli.launch.hostfile import free_base_port
 from tests.conftest import shared_path
-from engine.comm.hosts import free_base_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TOTAL_BATCH = 32

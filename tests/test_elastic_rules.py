@@ -10,13 +10,13 @@ import pytest
 
 from engine.comm.auth import Signer, Verifier
 from engine.comm.errors import CommError
-from engine.comm.hosts import free_base_port
 from poseidon_cli.launch.elastic.boundary import Commits
 from poseidon_cli.launch.elastic.membership import Seat, common_commit, table_of
 from poseidon_cli.launch.elastic.policy import Admission, iter_size_for, lr_scale, usable
 from poseidon_cli.launch.elastic.protocol import (DRIVER_KINDS, WORKER_KINDS, authenticate,
                                                   encode, generation_key, parse)
 from poseidon_cli.launch.elastic.sources import Discovery, HostsFile
+from poseidon_cli.launch.hostfile import free_base_port
 
 KEY = bytes(range(32))
 

@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.comm.hosts import free_base_port, port_owner
+from engine.comm.hosts import port_owner
+from poseidon_cli.launch.hostfile import free_base_port
 from tests.test_comm_faults import alive, children
 from tests.test_comm_train import ROOT, digits_db, poseidon, weights, write_run  # noqa: F401
 

@@ -18,9 +18,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from engine.pb import poseidon_pb2 as pb
-
 from engine import timeline
+from engine.pb import poseidon_pb2 as pb
 
 from .schemes.ps import Chunk
 from .transport import Message

@@ -15,7 +15,7 @@ import numpy as np
 
 from engine.factors import FactorSpec, SufficientFactors
 
-from .planner import LayerInfo
+from .cost import LayerInfo
 from .units import LayerSlot, ParamSlot
 
 

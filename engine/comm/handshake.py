@@ -25,10 +25,10 @@ from .link import Link
 from .planner import DEFAULT_LINK, Plan
 from .probe import probe_link
 from .schemes import SCHEMES
-from .units import LayerSlot, Unit
 from .schemes.ps import layout_digest
 from .topology import Topology
 from .transport import SHARD, WORKER, Endpoint, header, message_key
+from .units import LayerSlot, Unit
 
 #: ``fail(reason)``: stop every process of the job with this one-line reason (never returns)
 Fail = Callable[[str], NoReturn]

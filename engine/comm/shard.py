@@ -23,8 +23,8 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.pb import poseidon_pb2 as pb
 from engine import timeline
+from engine.pb import poseidon_pb2 as pb
 
 from .aggregate import AggregationPool, sum_in_rank_order
 from .errors import CommError

@@ -32,16 +32,26 @@ from . import handshake
 from .codecs import Codec
 from .errors import CommError
 from .hosts import HostEntry
+from .levels import compose
 from .link import Link
 from .planner import Plan
 from .schemes import SCHEMES, Scheme
-from .units import LayerSlot, ParamSlot, Unit
 from .schemes.ps import DEFAULT_CHUNK_BYTES
-from .levels import compose
-from .topology import Topology
 from .stats import CommStats, now
-from .transport import (COPY_BELOW_BYTES, HEADER_BYTES, HEADER_BYTES_PER_CHUNK, SHARD, WORKER,
-                        Endpoint, Message, PeerId, header, message_key)
+from .topology import Topology
+from .transport import (
+    COPY_BELOW_BYTES,
+    HEADER_BYTES,
+    HEADER_BYTES_PER_CHUNK,
+    SHARD,
+    WORKER,
+    Endpoint,
+    Message,
+    PeerId,
+    header,
+    message_key,
+)
+from .units import LayerSlot, ParamSlot, Unit
 
 log = logging.getLogger("poseidon.comm")
 

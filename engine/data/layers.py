@@ -18,10 +18,13 @@ A batch is a pure function of the stream index it starts at, which gives three t
 - **Exact resume.** ``position()`` is the stream index of the next batch (the same number on
   every worker, in single-worker record units); ``seek(position)`` continues from there.
   The solver stores it in the solverstate.
-- **Deterministic prefetch.** The prefetch thread computes the same pure function ahead of
-  time, in order (engine.data.prefetch). Random crops, mirrors and shuffles draw from a
-  Generator seeded by (a seed drawn once from ``engine.backend.rng()`` at set-up, the stream
-  index), never from a shared stream, so they do not depend on threads, workers or restarts.
+- **Deterministic prefetch and decoding.** The prefetch thread computes the same pure
+  function ahead of time, in order (engine.data.prefetch), and the decoding threads each
+  fill rows of it (engine.data.decoders). Random crops and mirrors take words hashed from
+  (a seed drawn once from ``engine.backend.rng()`` at set-up, the stream index)
+  (engine.data.transformer.crop_draws); shuffles and windows draw from a Generator seeded
+  by the same pair; never from a shared stream, so they do not depend on threads, decoders,
+  workers or restarts.
 
 ``rand_skip`` (Data, ImageData) starts the stream at a random index below ``rand_skip``, as
 older Caffe did (Caffe 1.0's Data layer ignores the field).
@@ -29,24 +32,28 @@ older Caffe did (Caffe 1.0's Data layer ignores the field).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
+import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from .. import backend
+from .. import backend, glog
 from ..pb import caffe_pb2
 from ..blob import Blob
 from ..caffe_io.files import atomic_path, import_h5py
 from ..layers.base import Layer, register
-from .datum import (DataError, datum_to_array, decode_image, load_image, parse_datum,
+from .datum import (DataError, datum_image, datum_is_encoded, decode_image, load_image,
                     resize_bilinear)
-from .imageset import read_image_list
+from .decoders import DecodeStats, DecoderPool, Pending, default_decoders
+from .imageset import ListEntry, read_image_list
 from .lmdb_source import DBSource, SourceNotFound, open_db
 from .prefetch import Prefetcher
-from .transformer import DataTransformer, read_mean_file
+from .transformer import DataTransformer, crop_draws, read_mean_file
 
 #: LMDB folder name fragment -> the `poseidon data` subcommand that writes it
 _MAKERS = (("fashion", "fashion-mnist"), ("mnist", "mnist"), ("cifar", "cifar10"),
@@ -62,11 +69,32 @@ def _how_to_make(path: Path) -> str:
             "or Caffe's convert_imageset")
 
 
+class _Batch:
+    """One batch being filled by decoding jobs, each writing its own rows (engine.data.decoders)."""
+
+    def __init__(self, data: np.ndarray, labels: np.ndarray):
+        self.data, self.labels = data, labels
+        #: rows whose image transforms to another shape than ``data``'s: (row, array)
+        self.odd: dict[int, np.ndarray] = {}
+        #: rows whose record could not be read: (row, record, its random words, reason)
+        self.failed: list[tuple[int, Any, Any, str]] = []
+        #: (decode, transform) seconds of each image
+        self.times: list[tuple[float, float]] = []
+        self.pending: Pending | None = None
+
+
+def _cancel(batch: Any) -> None:
+    """A prefetched batch thrown away: its jobs not yet started are skipped."""
+    if isinstance(batch, _Batch) and batch.pending is not None:
+        batch.pending.cancel()
+
+
 class StreamDataLayer(Layer):
     """Base of the data layers: batches by stream index, striding, position/seek, prefetch.
 
     A subclass's ``setup`` calls ``_init_stream`` and implements ``_load(pos)``, which returns
-    the tops' arrays (NumPy) for the batch starting at stream index ``pos``.
+    the tops' arrays (NumPy) for the batch starting at stream index ``pos``, or a ``_Batch``
+    whose decoding jobs are under way (``_complete`` waits for them in the consumer's thread).
     """
 
     exact_num_bottoms = 0
@@ -74,6 +102,7 @@ class StreamDataLayer(Layer):
     batch_size: int = 0
     _prefetch_depth: int = 0
     _prefetcher: Prefetcher | None = None
+    _pool: DecoderPool | None = None
 
     @contextlib.contextmanager
     def _named_errors(self) -> Iterator[None]:
@@ -93,6 +122,17 @@ class StreamDataLayer(Layer):
         self._pos = int(start)
         # the thread starts with the first batch, so set-up may still read the source itself
         self._prefetch_depth = prefetch
+        self.stats = DecodeStats()
+
+    def _init_decoders(self, decodes: bool = True) -> None:
+        """The decoding threads, as many as data_param.decoders says; by default
+        default_decoders() when the records are images to decode, one when they are raw
+        pixels (their transform is bound by memory traffic: on the 2-core VM two threads
+        took 31.6 ms a batch where one took 27.7, ``poseidon bench data``)."""
+        n = int(self.param.data_param.decoders) or (default_decoders() if decodes else 1)
+        self.decoders = n
+        # one decoder runs the jobs in the prefetch thread itself: no hand-over
+        self._pool = DecoderPool(n if n > 1 else 0, name=f"decode '{self.name}'")
 
     def _draw_seed(self) -> int:
         """The seed of this layer's per-record random draws, from the run's random stream."""
@@ -119,18 +159,33 @@ class StreamDataLayer(Layer):
 
     def next_batch(self) -> tuple[np.ndarray, ...]:
         """The arrays of the batch at ``position()``; advances the position."""
+        start = time.perf_counter()
         if self._prefetch_depth > 0:
             if self._prefetcher is None:
                 self._prefetcher = Prefetcher(self._load, self._pos, self.step,
-                                              self._prefetch_depth, name=f"prefetch '{self.name}'")
-            _, batch = self._prefetcher.get()
+                                              self._prefetch_depth, name=f"prefetch '{self.name}'",
+                                              discard=_cancel)
+            _, loaded = self._prefetcher.get()
         else:
-            batch = self._load(self._pos)
+            loaded = self._load(self._pos)
+        batch = self._complete(loaded) if isinstance(loaded, _Batch) else loaded
+        self.stats.wait_s += time.perf_counter() - start
         self._pos += self.step
         return batch
 
-    def _load(self, pos: int) -> tuple[np.ndarray, ...]:
+    def _load(self, pos: int) -> "tuple[np.ndarray, ...] | _Batch":
         raise NotImplementedError
+
+    def _complete(self, batch: _Batch) -> tuple[np.ndarray, ...]:
+        """The arrays of a batch once its jobs have run (in the consumer's thread)."""
+        batch.pending.wait()
+        stats = self.stats
+        stats.batches += 1
+        stats.records += len(batch.labels)
+        for decode_s, transform_s in batch.times:
+            stats.decode_s += decode_s
+            stats.transform_s += transform_s
+        return batch.data, batch.labels
 
     def _shape_tops(self, top: Sequence[Blob], shapes: Sequence[tuple[int, ...]]) -> None:
         for blob, shape in zip(top, shapes):
@@ -140,21 +195,44 @@ class StreamDataLayer(Layer):
         """Tops keep the shape of the last batch (set at set-up from the first record)."""
 
     def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        batch = self.next_batch()
+        self._copy_tops(top, self.next_batch())
+
+    @staticmethod
+    def _copy_tops(top: Sequence[Blob], batch: tuple[np.ndarray, ...]) -> None:
         for blob, array in zip(top, batch):
             blob.reshape(array.shape)
             xp = backend.get_array_module(blob.data)
             blob.data[...] = xp.asarray(array)
 
     def close(self) -> None:
-        """Stop the prefetch thread and release the source."""
+        """Stop the prefetch thread and the decoders, and release the source."""
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+
+class _Record(NamedTuple):
+    """One item of a source as the prefetch thread read it."""
+
+    stream: int  # stream index
+    index: int  # position in the source (the stream index modulo its size)
+    key: Any  # a database key, an image path
+    value: Any  # the serialized Datum, the label
 
 
 class _ImageStreamLayer(StreamDataLayer):
-    """Shared by Data and ImageData: images through a DataTransformer, optional labels."""
+    """Shared by Data and ImageData: images through a DataTransformer, optional labels.
+
+    The prefetch thread reads a batch's records in stream order (``_fetch``); the decoders
+    decode each one (``_decode``) and transform it into its row of the batch. A record that
+    cannot be read is named, by its key and its stream position, and stops the run with
+    data_param.strict; otherwise the next readable record of the source (``_following``)
+    takes its row, keeping the row's stream index for the random crop and mirror: a batch
+    stays a function of its position.
+    """
 
     max_tops = 2
 
@@ -164,22 +242,152 @@ class _ImageStreamLayer(StreamDataLayer):
         with self._named_errors():
             self.transformer = DataTransformer(tp, self.phase, mean, where="transform_param")
         self._seed = self._draw_seed() if self.transformer.random else 0
+        self.strict = bool(self.param.data_param.strict)
+        self._free: list[np.ndarray] = []
+        self._warned: set[Any] = set()
 
-    def _transform(self, images: list[np.ndarray], labels: list[int],
-                   indices: np.ndarray) -> tuple[np.ndarray, ...]:
-        if len({im.shape for im in images}) > 1:
-            raise self.fail(f"images of different shapes in one batch ({images[0].shape} and "
-                            f"others); set batch_size 1 or resize them")
-        rngs = ([np.random.default_rng([self._seed, int(k)]) for k in indices]
-                if self.transformer.random else None)
-        with self._named_errors():
-            data = self.transformer.transform(np.stack(images), rngs)
-        return data, np.asarray(labels, dtype=np.float32)
+    # the source: subclasses
+    def _fetch(self, k: int) -> _Record:
+        """The record at stream index ``k``; called in stream order from one thread."""
+        raise NotImplementedError
 
-    def _setup_tops(self, top: Sequence[Blob], first: np.ndarray) -> None:
+    def _decode(self, record: _Record) -> tuple[np.ndarray, int]:
+        """(CHW pixels, label) of a record; any thread; a DataError when it cannot be read."""
+        raise NotImplementedError
+
+    def _following(self, record: _Record) -> _Record:
+        """The record after ``record`` in the source (called from the consumer's thread)."""
+        raise NotImplementedError
+
+    def _describe(self, record: _Record) -> str:
+        raise NotImplementedError
+
+    def _source_size(self) -> int:
+        raise NotImplementedError
+
+    def _decodes(self, record: _Record) -> bool:
+        """Whether this source's records are images to decode (the first one says)."""
+        return True
+
+    def _setup_image_tops(self, top: Sequence[Blob]) -> None:
+        k = int(self.record_indices(self._pos)[0])
+        record = self._fetch(k)
+        self._init_decoders(self._decodes(record))
+        first, _ = self._readable(record, None)
         with self._named_errors():
             shape = self.transformer.output_shape(first.shape)
         self._shape_tops(top, [(self.batch_size, *shape), (self.batch_size,)])
+        self._row_shape = shape
+
+    def _readable(self, record: _Record, reason: str | None) -> tuple[np.ndarray, int]:
+        """The pixels and label for ``record``'s row: its own, or (it cannot be read; with
+        ``reason``, that is known already) those of the next readable record."""
+        if reason is None:
+            try:
+                return self._decode(record)
+            except DataError as e:
+                reason = str(e)
+        where = self._describe(record)
+        if self.strict:
+            raise self.fail(f"{where}: {reason} (data_param.strict)")
+        if record.key not in self._warned:
+            self._warned.add(record.key)
+            glog.warning(f"layer '{self.name}': skipping {where}: {reason}; the next readable "
+                         f"record takes its place")
+        other = record
+        for _ in range(self._source_size() - 1):
+            other = self._following(other)
+            try:
+                image, label = self._decode(other)
+            except DataError:
+                continue
+            self.stats.skipped += 1
+            return image, label
+        raise self.fail(f"{where}: {reason}; and no other record of {self.source} can be "
+                        f"read either")
+
+    def _load(self, pos: int) -> _Batch:
+        start = time.perf_counter()
+        indices = [int(k) for k in self.record_indices(pos)]
+        records = [self._fetch(k) for k in indices]
+        self.stats.read_s += time.perf_counter() - start
+        data = self._free.pop() if self._free else np.empty((self.batch_size, *self._row_shape),
+                                                             dtype=np.float32)
+        batch = _Batch(data, np.empty(self.batch_size, dtype=np.float32))
+        draws = self._draws(indices)
+        batch.pending = self._pool.run([functools.partial(self._fill, batch, row, record, draw)
+                                        for row, (record, draw) in enumerate(zip(records, draws))])
+        return batch
+
+    def _draws(self, indices: list[int]) -> list[tuple[int, int, int] | None]:
+        """Each row's random words (crop_draws): a function of its stream index."""
+        if not self.transformer.random:
+            return [None] * len(indices)
+        return [tuple(row) for row in crop_draws(self._seed, np.asarray(indices)).tolist()]
+
+    def _fill(self, batch: _Batch, row: int, record: _Record,
+              draw: tuple[int, int, int] | None) -> None:
+        """One decoding job: the record's image, transformed into its row."""
+        start = time.perf_counter()
+        try:
+            image, label = self._decode(record)
+        except DataError as e:
+            batch.failed.append((row, record, draw, str(e)))
+            return
+        decoded = time.perf_counter()
+        self._place(batch, row, draw, image, label)
+        batch.times.append((decoded - start, time.perf_counter() - decoded))
+
+    def _place(self, batch: _Batch, row: int, draw: tuple[int, int, int] | None,
+               image: np.ndarray, label: int) -> None:
+        with self._named_errors():
+            shape = self.transformer.output_shape(image.shape)
+        out = (batch.data[row] if shape == batch.data.shape[1:]
+               else batch.odd.setdefault(row, np.empty(shape, dtype=np.float32)))
+        self.transformer.transform_into(image, out, draw)
+        batch.labels[row] = label
+
+    def _complete(self, batch: _Batch) -> tuple[np.ndarray, ...]:
+        batch.pending.wait()
+        for row, record, draw, reason in sorted(batch.failed, key=lambda f: f[0]):
+            image, label = self._readable(record, reason)
+            self._place(batch, row, draw, image, label)
+        data, labels = super()._complete(batch)
+        if batch.odd:
+            shapes = {a.shape for a in batch.odd.values()}
+            if len(batch.odd) < len(labels) or len(shapes) > 1:
+                raise self.fail(f"images of different shapes in one batch "
+                                f"({sorted(shapes | {data.shape[1:]})}); set batch_size 1 or "
+                                f"resize them")
+            self._free.append(data)
+            data = np.stack([batch.odd[i] for i in range(len(labels))])
+        return data, labels
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        data, labels = batch = self.next_batch()
+        blob = top[0]
+        if type(blob.data) is not np.ndarray or blob.data.dtype != data.dtype:
+            self._copy_tops(top, batch)  # a GPU or float64 blob: copy into it
+            del batch
+            self._recycle(data)
+            return
+        # Hand the batch's array to the blob instead of copying it (79 MB for AlexNet's b128,
+        # a core's worth of memory traffic beside the decoders), as Caffe's prefetching layer
+        # does (set_cpu_data); layers that view the blob re-view it every pass (Reshape).
+        blob.reshape(data.shape)
+        old, blob.data = blob.data, data
+        self._recycle(old)
+        if len(top) > 1:
+            top[1].reshape(labels.shape)
+            top[1].data[...] = labels
+
+    def _recycle(self, array: np.ndarray) -> None:
+        # A fresh batch array would be new pages, faulted in and zeroed by the kernel on every
+        # batch: more than the transform itself. An array is reused only when nothing else
+        # holds it (a view of it, a pycaffe user's reference): refcount = ours + the call's.
+        if (array.shape[1:] == self._row_shape and len(self._free) < 2
+                and sys.getrefcount(array) <= 3):
+            self._free.append(array)
 
 
 @register("Data", "DATA")
@@ -196,35 +404,53 @@ class DataLayer(_ImageStreamLayer):
         if not source:
             raise self.fail("data_param.source is not set")
         self.source = ctx.resolve(source)
+        self._backend = backend_name
         with self._named_errors():
             try:
-                self._db: DBSource = open_db(self.source, backend_name)
+                # records are decoded before the source closes (close() stops the decoders
+                # first), so they can be views of its pages
+                self._db: DBSource = open_db(self.source, backend_name, zero_copy=True)
             except SourceNotFound:
                 shown = Path(os.path.normpath(self.source))
                 raise DataError(f"{backend_name} not found: {shown} "
                                 f"({_how_to_make(shown)})") from None
+        self._spare: DBSource | None = None
         self._init_transformer()
         skip = int(backend.rng().integers(dp.rand_skip)) if dp.rand_skip else 0
         self._init_stream(dp.batch_size, skip, strided=not own_files, prefetch=dp.prefetch)
-        self._setup_tops(top, self._read(int(self.record_indices(self._pos)[0]))[0])
+        self._setup_image_tops(top)
 
-    def _read(self, k: int) -> tuple[np.ndarray, int]:
+    def _fetch(self, k: int) -> _Record:
         key, value = self._db.get(k)
-        try:
-            datum = parse_datum(value)
-            return datum_to_array(datum, self.transformer.color), datum.label
-        except DataError as e:
-            raise self.fail(f"corrupt record {k % len(self._db)} (key {key!r}) in "
-                            f"{self.source}: {e}") from None
+        return _Record(k, k % len(self._db), key, value)
 
-    def _load(self, pos: int) -> tuple[np.ndarray, ...]:
-        indices = self.record_indices(pos)
-        images, labels = zip(*(self._read(int(k)) for k in indices))
-        return self._transform(list(images), list(labels), indices)
+    def _decode(self, record: _Record) -> tuple[np.ndarray, int]:
+        return datum_image(record.value, self.transformer.color)
+
+    def _decodes(self, record: _Record) -> bool:
+        try:
+            return datum_is_encoded(record.value)
+        except DataError:  # a corrupt first record: named when it is read
+            return True
+
+    def _following(self, record: _Record) -> _Record:
+        if self._spare is None:  # the prefetch thread has the main cursor
+            self._spare = open_db(self.source, self._backend)
+        key, value = self._spare.following(record.key)
+        return _Record(record.stream + 1, (record.index + 1) % len(self._db), key, value)
+
+    def _describe(self, record: _Record) -> str:
+        return (f"corrupt record {record.index} (key {record.key!r}, stream position "
+                f"{record.stream}) in {self.source}")
+
+    def _source_size(self) -> int:
+        return len(self._db)
 
     def close(self) -> None:
         super().close()
         self._db.close()
+        if self._spare is not None:
+            self._spare.close()
 
 
 @register("ImageData", "IMAGE_DATA")
@@ -246,39 +472,45 @@ class ImageDataLayer(_ImageStreamLayer):
         self.lines = self._read_list(self.source)
         self._init_transformer()
         self._shuffle_seed = self._draw_seed() if ip.shuffle else 0
-        self._perm_epoch, self._perm = -1, np.arange(0)
+        self._perm: tuple[int, np.ndarray] = (-1, np.arange(0))
         skip = int(backend.rng().integers(ip.rand_skip)) if ip.rand_skip else 0
         # Caffe's prefetching layers all take their queue depth from data_param.prefetch
         self._init_stream(ip.batch_size, skip, strided=True,
                           prefetch=self.param.data_param.prefetch)
-        self._setup_tops(top, self._read(int(self.record_indices(self._pos)[0]))[0])
+        self._setup_image_tops(top)
 
-    def _read_list(self, path: Path) -> list[tuple[str, int]]:
+    def _read_list(self, path: Path) -> list[ListEntry]:
         with self._named_errors():
-            return [(e.name, e.label) for e in read_image_list(path)]
+            return read_image_list(path)
 
-    def _line(self, k: int) -> tuple[str, int]:
+    def _fetch(self, k: int) -> _Record:
         epoch, j = divmod(k, len(self.lines))
         if self._shuffle_seed:
-            if epoch != self._perm_epoch:
-                self._perm = np.random.default_rng([self._shuffle_seed, epoch]).permutation(
+            # one tuple, replaced whole: the consumer's thread may read it too (_following)
+            cached_epoch, perm = self._perm
+            if cached_epoch != epoch:
+                perm = np.random.default_rng([self._shuffle_seed, epoch]).permutation(
                     len(self.lines))
-                self._perm_epoch = epoch
-            j = int(self._perm[j])
-        return self.lines[j]
+                self._perm = (epoch, perm)
+            j = int(perm[j])
+        entry = self.lines[j]
+        return _Record(k, j, entry, entry.label)
 
-    def _read(self, k: int) -> tuple[np.ndarray, int]:
+    def _decode(self, record: _Record) -> tuple[np.ndarray, int]:
         ip = self.param.image_data_param
-        name, label = self._line(k)
         # Caffe concatenates root_folder and the listed name as strings
-        path = self.context.resolve(ip.root_folder + name)
-        with self._named_errors():
-            return load_image(path, ip.is_color, ip.new_height, ip.new_width), label
+        path = self.context.resolve(ip.root_folder + record.key.name)
+        return load_image(path, ip.is_color, ip.new_height, ip.new_width), record.value
 
-    def _load(self, pos: int) -> tuple[np.ndarray, ...]:
-        indices = self.record_indices(pos)
-        images, labels = zip(*(self._read(int(k)) for k in indices))
-        return self._transform(list(images), list(labels), indices)
+    def _following(self, record: _Record) -> _Record:
+        return self._fetch(record.stream + 1)
+
+    def _describe(self, record: _Record) -> str:
+        return (f"image {record.key.name} ({self.source}:{record.key.line}, stream position "
+                f"{record.stream})")
+
+    def _source_size(self) -> int:
+        return len(self.lines)
 
 
 @register("HDF5Data", "HDF5_DATA")
@@ -635,6 +867,7 @@ class WindowDataLayer(StreamDataLayer):
         self.fg, self.bg = self._split(images, np.float32(wp.fg_threshold),
                                        np.float32(wp.bg_threshold))
         self._init_stream(wp.batch_size, 0, strided=True, prefetch=self.param.data_param.prefetch)
+        self._init_decoders()
         self.num_fg = int(np.float32(self.batch_size) * np.float32(wp.fg_fraction))
         self.num_bg = self.batch_size - self.num_fg
         for pool, n, kind, rule in ((self.fg, self.num_fg, "foreground", f"overlap >= "
@@ -718,21 +951,33 @@ class WindowDataLayer(StreamDataLayer):
         except DataError as e:
             raise self.fail(f"{self.image_paths[image]}: {e}") from None
 
-    def _load(self, pos: int) -> tuple[np.ndarray, ...]:
+    def _load(self, pos: int) -> _Batch:
         crop = self.crop_size
-        data = np.zeros((self.batch_size, self.channels, crop, crop), dtype=np.float32)
-        labels = np.empty(self.batch_size, dtype=np.float32)
-        decoded: dict[int, np.ndarray] = {}  # windows of one image often share a batch
+        batch = _Batch(np.zeros((self.batch_size, self.channels, crop, crop), dtype=np.float32),
+                       np.empty(self.batch_size, dtype=np.float32))
+        # the draws are cheap and made here, in stream order; the jobs are the pictures, each
+        # decoded once for all of its windows in the batch (they often share one)
+        windows: dict[int, list[tuple[int, tuple[int, int, int, int], bool, int]]] = {}
         for i, k in enumerate(self.record_indices(pos)):
             rng = np.random.default_rng([self._seed, int(k)])
             pool = self.bg if i < self.num_bg else self.fg
             image, label, x1, y1, x2, y2, line = (int(v) for v in pool[rng.integers(len(pool))])
             flip = self.mirror and bool(rng.integers(2))
-            if image not in decoded:
-                decoded[image] = self._image(image)
-            self._warp(decoded[image], (x1, y1, x2, y2), flip, data[i], line)
-            labels[i] = label
-        return data, labels
+            windows.setdefault(image, []).append((i, (x1, y1, x2, y2), flip, line))
+            batch.labels[i] = label
+        batch.pending = self._pool.run([functools.partial(self._cut, batch, image, items)
+                                        for image, items in windows.items()])
+        return batch
+
+    def _cut(self, batch: _Batch, image: int,
+             items: list[tuple[int, tuple[int, int, int, int], bool, int]]) -> None:
+        """One decoding job: a picture, and each of its windows warped into its row."""
+        start = time.perf_counter()
+        img = self._image(image)
+        decoded = time.perf_counter()
+        for row, box, flip, line in items:
+            self._warp(img, box, flip, batch.data[row], line)
+        batch.times.append((decoded - start, time.perf_counter() - decoded))
 
     def _warp(self, img: np.ndarray, box: tuple[int, int, int, int], flip: bool,
               out: np.ndarray, line: int) -> None:

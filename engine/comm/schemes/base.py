@@ -17,14 +17,14 @@ units that need it. ``timing`` prices one layer for the planner and the DAG mode
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol, Sequence
 
 import numpy as np
 
 from engine.pb import poseidon_pb2 as pb
 
-from ..units import LayerSlot, Unit, is_view, gather, scatter_mean, split
+from ..cost import Device, LayerTiming
+from ..units import LayerSlot, Unit, gather, is_view, scatter_mean, split
 
 if TYPE_CHECKING:
     from ..codecs import Codec
@@ -46,48 +46,6 @@ class Host(Protocol):
 
     def done(self, unit: Unit, rnd: int, bits: int) -> None:
         """The mean gradient of ``unit``'s round ``rnd`` is in its diffs: apply the update."""
-
-
-@dataclass
-class LayerTiming:
-    """One layer's cost on the busiest node, as the planner and the DAG model see it."""
-    name: str
-    scheme: str
-    bytes_sent: float  # per iteration
-    bytes_received: float
-    up_s: float        # on the node's sending side of the link
-    down_s: float      # on its receiving side
-    #: how long after the sending starts the first bytes of the answer can come back
-    lag_s: float
-    #: how long after the sending ends the last answer can have come back
-    tail_s: float
-    reduce_s: float    # on the progress thread: reconstruction, sums, the update off-device
-    update_s: float = 0.0  # the solver update of the layer
-
-    @property
-    def total_s(self) -> float:
-        """Release to applied for this layer alone on an idle link: what the planner compares."""
-        return max(self.up_s + self.tail_s, self.lag_s + self.down_s) + self.reduce_s
-
-
-@dataclass(frozen=True)
-class Device:
-    """Costs outside the trace: what the machine running a worker and its shard spends on the
-    solver update, on SFB's reconstruction and on sums."""
-    name: str = "default: a GPU worker (update 300 GB/s, GEMM 5 TFLOP/s), CPU shard (8 GB/s)"
-    #: the solver update streams about ``update_passes`` x 4 bytes per parameter
-    update_bytes_per_s: float = 300e9
-    update_passes: float = 5.0
-    #: SFB's reconstruction u^T v (2 flops per multiply-add)
-    gemm_flops_per_s: float = 5e12
-    #: adding arrays (a shard's sums, a ring step's sums), on a CPU
-    add_bytes_per_s: float = 8e9
-    #: the update runs on the device that computes (a GPU's kernels queue behind backward's),
-    #: so it takes compute time; False when the CPU does the update beside the compute
-    update_on_device: bool = True
-
-    def update_s(self, params_bytes: float) -> float:
-        return self.update_passes * params_bytes / self.update_bytes_per_s
 
 
 class Scheme(ABC):

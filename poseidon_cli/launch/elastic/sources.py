@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from engine.comm.hosts import HostEntry, HostsError, check_resolvable, parse_hosts_text
+from engine.comm.hosts import HostEntry, HostsError
+
+from ..hostfile import check_resolvable, parse_hosts_text
 
 #: where a worker that joined with the driver's address was "listed"
 BY_HAND = "joined by hand"

@@ -184,7 +184,7 @@ def join(config: JobConfig, rendezvous: str) -> None:
     at its address on the route to the driver."""
     import os
 
-    from engine.comm.hosts import reserve_ports
+    from ..hostfile import reserve_ports
 
     from ..managers import Placement, detect
     from ..rendezvous import own_address
