@@ -13,7 +13,8 @@ from engine import backend
 from engine.blob import Blob
 from engine.context import RunContext
 from engine.data.datum import encode_image
-from engine.data.layers import HDF5OutputLayer, WarpBox, WindowDataLayer, warp_box
+from engine.data.hdf5 import HDF5OutputLayer
+from engine.data.window import WarpBox, WindowDataLayer, warp_box
 from engine.data.transformer import write_mean_file
 from engine.layers.base import LayerError, create_layer, layer_class
 from engine.pb import caffe_pb2

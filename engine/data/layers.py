@@ -1,7 +1,7 @@
-"""Caffe's data layers: Data (LMDB/LevelDB), ImageData, HDF5Data, MemoryData, WindowData;
-and HDF5Output, the layer that writes two blobs to an HDF5 file.
+"""Caffe's stream data layers: the stream they share (StreamDataLayer), Data (LMDB/LevelDB),
+ImageData and MemoryData. WindowData is window.py's, HDF5Data and HDF5Output hdf5.py's.
 
-Every layer here reads an endless *stream* of records: record ``k`` of the stream is record
+Every data layer reads an endless *stream* of records: record ``k`` of the stream is record
 ``k mod N`` of the source (Caffe starts again at the first record when it reaches the end).
 A batch is a pure function of the stream index it starts at, which gives three things:
 
@@ -33,27 +33,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
 from .. import backend, glog
 from ..pb import caffe_pb2
 from ..blob import Blob
-from ..caffe_io.files import atomic_path, import_h5py
 from ..layers.base import Layer, register
-from .datum import (DataError, datum_image, datum_is_encoded, decode_image, load_image,
-                    resize_bilinear)
+from .datum import (DataError, datum_image, datum_is_encoded, load_image)
 from .decoders import DecodeStats, DecoderPool, Pending, default_decoders
 from .imageset import ListEntry, read_image_list
 from .lmdb_source import DBSource, SourceNotFound, open_db
 from .prefetch import Prefetcher
-from .transformer import DataTransformer, crop_draws, read_mean_file
+from .transformer import DataTransformer, crop_draws
 
 #: LMDB folder name fragment -> the `poseidon data` subcommand that writes it
 _MAKERS = (("fashion", "fashion-mnist"), ("mnist", "mnist"), ("cifar", "cifar10"),
@@ -69,7 +66,7 @@ def _how_to_make(path: Path) -> str:
             "or Caffe's convert_imageset")
 
 
-class _Batch:
+class PendingBatch:
     """One batch being filled by decoding jobs, each writing its own rows (engine.data.decoders)."""
 
     def __init__(self, data: np.ndarray, labels: np.ndarray):
@@ -85,7 +82,7 @@ class _Batch:
 
 def _cancel(batch: Any) -> None:
     """A prefetched batch thrown away: its jobs not yet started are skipped."""
-    if isinstance(batch, _Batch) and batch.pending is not None:
+    if isinstance(batch, PendingBatch) and batch.pending is not None:
         batch.pending.cancel()
 
 
@@ -93,7 +90,7 @@ class StreamDataLayer(Layer):
     """Base of the data layers: batches by stream index, striding, position/seek, prefetch.
 
     A subclass's ``setup`` calls ``_init_stream`` and implements ``_load(pos)``, which returns
-    the tops' arrays (NumPy) for the batch starting at stream index ``pos``, or a ``_Batch``
+    the tops' arrays (NumPy) for the batch starting at stream index ``pos``, or a ``PendingBatch``
     whose decoding jobs are under way (``_complete`` waits for them in the consumer's thread).
     """
 
@@ -168,15 +165,15 @@ class StreamDataLayer(Layer):
             _, loaded = self._prefetcher.get()
         else:
             loaded = self._load(self._pos)
-        batch = self._complete(loaded) if isinstance(loaded, _Batch) else loaded
+        batch = self._complete(loaded) if isinstance(loaded, PendingBatch) else loaded
         self.stats.wait_s += time.perf_counter() - start
         self._pos += self.step
         return batch
 
-    def _load(self, pos: int) -> "tuple[np.ndarray, ...] | _Batch":
+    def _load(self, pos: int) -> "tuple[np.ndarray, ...] | PendingBatch":
         raise NotImplementedError
 
-    def _complete(self, batch: _Batch) -> tuple[np.ndarray, ...]:
+    def _complete(self, batch: PendingBatch) -> tuple[np.ndarray, ...]:
         """The arrays of a batch once its jobs have run (in the consumer's thread)."""
         batch.pending.wait()
         stats = self.stats
@@ -306,14 +303,14 @@ class _ImageStreamLayer(StreamDataLayer):
         raise self.fail(f"{where}: {reason}; and no other record of {self.source} can be "
                         f"read either")
 
-    def _load(self, pos: int) -> _Batch:
+    def _load(self, pos: int) -> PendingBatch:
         start = time.perf_counter()
         indices = [int(k) for k in self.record_indices(pos)]
         records = [self._fetch(k) for k in indices]
         self.stats.read_s += time.perf_counter() - start
         data = self._free.pop() if self._free else np.empty((self.batch_size, *self._row_shape),
                                                              dtype=np.float32)
-        batch = _Batch(data, np.empty(self.batch_size, dtype=np.float32))
+        batch = PendingBatch(data, np.empty(self.batch_size, dtype=np.float32))
         draws = self._draws(indices)
         batch.pending = self._pool.run([functools.partial(self._fill, batch, row, record, draw)
                                         for row, (record, draw) in enumerate(zip(records, draws))])
@@ -325,7 +322,7 @@ class _ImageStreamLayer(StreamDataLayer):
             return [None] * len(indices)
         return [tuple(row) for row in crop_draws(self._seed, np.asarray(indices)).tolist()]
 
-    def _fill(self, batch: _Batch, row: int, record: _Record,
+    def _fill(self, batch: PendingBatch, row: int, record: _Record,
               draw: tuple[int, int, int] | None) -> None:
         """One decoding job: the record's image, transformed into its row."""
         start = time.perf_counter()
@@ -338,7 +335,7 @@ class _ImageStreamLayer(StreamDataLayer):
         self._place(batch, row, draw, image, label)
         batch.times.append((decoded - start, time.perf_counter() - decoded))
 
-    def _place(self, batch: _Batch, row: int, draw: tuple[int, int, int] | None,
+    def _place(self, batch: PendingBatch, row: int, draw: tuple[int, int, int] | None,
                image: np.ndarray, label: int) -> None:
         with self._named_errors():
             shape = self.transformer.output_shape(image.shape)
@@ -347,7 +344,7 @@ class _ImageStreamLayer(StreamDataLayer):
         self.transformer.transform_into(image, out, draw)
         batch.labels[row] = label
 
-    def _complete(self, batch: _Batch) -> tuple[np.ndarray, ...]:
+    def _complete(self, batch: PendingBatch) -> tuple[np.ndarray, ...]:
         batch.pending.wait()
         for row, record, draw, reason in sorted(batch.failed, key=lambda f: f[0]):
             image, label = self._readable(record, reason)
@@ -513,107 +510,6 @@ class ImageDataLayer(_ImageStreamLayer):
         return len(self.lines)
 
 
-@register("HDF5Data", "HDF5_DATA")
-class HDF5DataLayer(StreamDataLayer):
-    """Caffe's HDF5Data layer: each top is the dataset of that name in the listed .h5 files.
-
-    The stream is the files' rows in list order; with ``shuffle`` every pass takes the files
-    in a new order and each file's rows in a new order. No transformation is applied (as in
-    Caffe). Files are loaded whole, one at a time.
-    """
-
-    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        hp = self.param.hdf5_data_param
-        if not hp.source:
-            raise self.fail("hdf5_data_param.source is not set")
-        self.source = self.context.resolve(hp.source)
-        self.files = self._read_list(self.source)
-        self.names = list(self.param.top)
-        if len(self.names) < len(top):
-            raise self.fail("every top must be named (the names are the HDF5 dataset names)")
-        self.rows = np.array([self._rows(f) for f in self.files], dtype=np.int64)
-        self.total = int(self.rows.sum())
-        if self.total == 0:
-            raise self.fail(f"the files of {self.source} hold no rows")
-        self._shuffle_seed = self._draw_seed() if hp.shuffle else 0
-        self._cached: tuple[int, list[np.ndarray]] = (-1, [])
-        self._perms: dict[tuple[int, ...], np.ndarray] = {}
-        self._init_stream(hp.batch_size, 0, strided=True, prefetch=0)
-        first = self._file(0)
-        self._shape_tops(top, [(self.batch_size, *a.shape[1:]) for a in first])
-
-    def _read_list(self, path: Path) -> list[Path]:
-        try:
-            lines = [ln.strip() for ln in path.read_text().splitlines()]
-        except OSError as e:
-            raise self.fail(f"cannot read HDF5 list {path}: {e.strerror}") from None
-        files = []
-        for n, line in enumerate(lines, 1):
-            if not line:
-                continue
-            beside = path.parent / line
-            f = beside if beside.exists() else self.context.resolve(line)
-            if not f.is_file():
-                raise self.fail(f"{path}:{n}: HDF5 file not found: {line}")
-            files.append(f)
-        if not files:
-            raise self.fail(f"HDF5 list {path} names no files")
-        return files
-
-    def _rows(self, path: Path) -> int:
-        import h5py
-        try:
-            with h5py.File(path, "r") as h5:
-                counts = set()
-                for name in self.names:
-                    if name not in h5:
-                        raise self.fail(f"{path} has no dataset '{name}' (one per top)")
-                    counts.add(h5[name].shape[0] if h5[name].ndim else 0)
-        except OSError as e:
-            raise self.fail(f"cannot read HDF5 file {path}: {e}") from None
-        if len(counts) != 1:
-            raise self.fail(f"{path}: datasets {self.names} have different numbers of rows")
-        return counts.pop()
-
-    def _file(self, f: int) -> list[np.ndarray]:
-        import h5py
-        if self._cached[0] != f:
-            with h5py.File(self.files[f], "r") as h5:
-                self._cached = (f, [np.asarray(h5[name][...]) for name in self.names])
-        return self._cached[1]
-
-    def _permutation(self, key: tuple[int, ...], n: int) -> np.ndarray:
-        """The shuffle of ``n`` items for ``key`` (pass, or pass and file); the last few kept."""
-        perm = self._perms.get(key)
-        if perm is None:
-            if len(self._perms) > 8:
-                self._perms.clear()
-            rng = np.random.default_rng([self._shuffle_seed, *key])
-            perm = self._perms[key] = rng.permutation(n)
-        return perm
-
-    def _locate(self, k: int) -> tuple[int, int]:
-        """(file, row) of stream index ``k``."""
-        epoch, j = divmod(k, self.total)
-        order = (self._permutation((epoch,), len(self.files)) if self._shuffle_seed
-                 else np.arange(len(self.files)))
-        ends = np.cumsum(self.rows[order])
-        t = int(np.searchsorted(ends, j, side="right"))
-        f = int(order[t])
-        row = j - (int(ends[t - 1]) if t else 0)
-        if self._shuffle_seed:
-            row = int(self._permutation((epoch, f), int(self.rows[f]))[row])
-        return f, row
-
-    def _load(self, pos: int) -> tuple[np.ndarray, ...]:
-        rows: list[list[np.ndarray]] = [[] for _ in self.names]
-        for k in self.record_indices(pos):
-            f, row = self._locate(int(k))
-            for out, array in zip(rows, self._file(f)):
-                out.append(array[row])
-        return tuple(np.stack(r) for r in rows)
-
-
 @register("MemoryData", "MEMORY_DATA")
 class MemoryDataLayer(StreamDataLayer):
     """Caffe's MemoryData layer, fed from Python with ``reset(data, labels)`` (pycaffe's
@@ -652,429 +548,3 @@ class MemoryDataLayer(StreamDataLayer):
             raise self.fail("no data: call reset(data, labels) first (pycaffe's set_input_arrays)")
         idx = self.record_indices(pos) % self._data.shape[0]
         return self._data[idx], self._labels[idx]
-
-
-# -- WindowData ---------------------------------------------------------------------------------
-
-class WindowImage(NamedTuple):
-    """One image record of a window file; ``windows`` rows are (class, overlap, x1, y1, x2, y2,
-    line), coordinates inclusive and 0-based as Caffe reads them."""
-    name: str
-    channels: int
-    height: int
-    width: int
-    windows: list[tuple[int, float, int, int, int, int, int]]
-
-
-def _tokens(text: str) -> Iterator[tuple[str, int]]:
-    for n, line in enumerate(text.splitlines(), 1):
-        for token in line.split():
-            yield token, n
-
-
-def read_window_file(path: Path) -> list[WindowImage]:
-    """Parse Caffe's window file (R-CNN's format), one image record after another::
-
-        # <image index>
-        <image path>
-        <channels>
-        <height>
-        <width>
-        <number of windows>
-        <class> <overlap> <x1> <y1> <x2> <y2>     (one line per window)
-
-    Like Caffe's stream reader, any whitespace separates the fields (image paths cannot hold
-    spaces). Caffe uses the image index to look the image up by file order, so the indices
-    must run 0, 1, 2, ...; anything else is reported as an error rather than read as the wrong
-    picture. Errors are one DataError naming the file and line.
-    """
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise DataError(f"cannot read window file {path}: {e.strerror}") from None
-    tokens = _tokens(text)
-    last_line = max(1, len(text.splitlines()))
-
-    def take(what: str, kind: Callable[[str], Any] = str, check: str = "") -> tuple[Any, int]:
-        try:
-            token, n = next(tokens)
-        except StopIteration:
-            raise DataError(f"{path}:{last_line}: unexpected end of file, "
-                            f"expected {what}") from None
-        try:
-            value = kind(token)
-        except ValueError:
-            raise DataError(f"{path}:{n}: expected {what}, got {token!r}") from None
-        if (check == "positive" and value <= 0) or (check == "non-negative" and value < 0):
-            raise DataError(f"{path}:{n}: {what} must be {check}, got {token!r}")
-        return value, n
-
-    images: list[WindowImage] = []
-    while True:
-        try:
-            tag, n = next(tokens)
-        except StopIteration:
-            break
-        if tag != "#":
-            raise DataError(f"{path}:{n}: expected '# <image index>' to start image record "
-                            f"{len(images)}, got {tag!r}")
-        index, n = take("the image index after '#'", int)
-        if index != len(images):
-            raise DataError(f"{path}:{n}: image index {index} out of sequence, expected "
-                            f"{len(images)} (Caffe finds an image by its index in file order)")
-        name, _ = take("the image path")
-        channels, n = take("the number of channels", int, "positive")
-        if channels not in (1, 3):
-            raise DataError(f"{path}:{n}: images must have 1 or 3 channels, got {channels}")
-        height, _ = take("the image height", int, "positive")
-        width, _ = take("the image width", int, "positive")
-        count, _ = take("the number of windows", int, "non-negative")
-        windows = []
-        for _ in range(count):
-            what = "a window line '<class> <overlap> <x1> <y1> <x2> <y2>'"
-            label, n = take(what, int)
-            overlap, _ = take(what, float)
-            x1, _ = take(what, int)
-            y1, _ = take(what, int)
-            x2, _ = take(what, int)
-            y2, n2 = take(what, int)
-            if x2 < x1 or y2 < y1:
-                raise DataError(f"{path}:{n2}: window ({x1}, {y1}, {x2}, {y2}) has x2 < x1 or "
-                                f"y2 < y1 (corners are inclusive: x1 y1 x2 y2)")
-            windows.append((label, overlap, x1, y1, x2, y2, n))
-        images.append(WindowImage(name, channels, height, width, windows))
-    if not images:
-        raise DataError(f"window file {path} is empty")
-    return images
-
-
-def _c_round(value: np.float32) -> int:
-    """C's round(): halves away from zero (NumPy's round goes to even). Exact: a float32
-    plus 0.5 is representable in float64."""
-    x = float(value)
-    return int(math.copysign(math.floor(abs(x) + 0.5), x))
-
-
-class WarpBox(NamedTuple):
-    """Where one window comes from and where its warped pixels land in the crop."""
-    x1: int  # source region in the image, inclusive
-    y1: int
-    x2: int
-    y2: int
-    out_h: int  # size the region is warped to
-    out_w: int
-    pad_h: int  # offset of the warped region in the crop_size x crop_size output
-    pad_w: int
-
-
-def warp_box(box: tuple[int, int, int, int], image_hw: tuple[int, int], crop: int,
-             context_pad: int, square: bool, mirror: bool) -> WarpBox:
-    """Caffe's window geometry (window_data_layer.cpp): with context padding or square mode
-    the box is grown about its centre so that, warped to ``crop``, ``context_pad`` pixels of
-    context surround it; the grown box is clipped to the image and the clipped part keeps the
-    scale of the unclipped one, so the crop is zero where the box left the image.
-
-    The arithmetic is float32 with C rounding, as in Caffe's float nets, so crops match pixel
-    for pixel. Raises DataError when no part of the box lies in the image.
-    """
-    x1, y1, x2, y2 = box
-    img_h, img_w = image_hw
-    if not (context_pad > 0 or square):
-        if x1 < 0 or y1 < 0 or x2 >= img_w or y2 >= img_h:
-            raise DataError(f"window ({x1}, {y1}, {x2}, {y2}) does not fit in the "
-                            f"{img_w}x{img_h} (width x height) image")
-        return WarpBox(x1, y1, x2, y2, crop, crop, 0, 0)
-    f32 = np.float32
-    context_scale = f32(crop) / f32(crop - 2 * context_pad)
-    half_h, half_w = f32((y2 - y1 + 1) / 2.0), f32((x2 - x1 + 1) / 2.0)
-    centre_x, centre_y = f32(x1) + half_w, f32(y1) + half_h
-    if square:
-        half_h = half_w = max(half_h, half_w)
-    x1 = _c_round(centre_x - half_w * context_scale)
-    x2 = _c_round(centre_x + half_w * context_scale)
-    y1 = _c_round(centre_y - half_h * context_scale)
-    y2 = _c_round(centre_y + half_h * context_scale)
-    unclipped_h, unclipped_w = y2 - y1 + 1, x2 - x1 + 1
-    pad_x1, pad_y1 = max(0, -x1), max(0, -y1)
-    pad_x2, pad_y2 = max(0, x2 - img_w + 1), max(0, y2 - img_h + 1)
-    x1, x2, y1, y2 = x1 + pad_x1, x2 - pad_x2, y1 + pad_y1, y2 - pad_y2
-    if x1 > x2 or y1 > y2:
-        raise DataError(f"window ({box[0]}, {box[1]}, {box[2]}, {box[3]}) lies outside the "
-                        f"{img_w}x{img_h} (width x height) image")
-    scale_x, scale_y = f32(crop) / f32(unclipped_w), f32(crop) / f32(unclipped_h)
-    out_w = _c_round(f32(x2 - x1 + 1) * scale_x)
-    out_h = _c_round(f32(y2 - y1 + 1) * scale_y)
-    pad_h = _c_round(f32(pad_y1) * scale_y)
-    # a mirrored crop is flipped after warping, so its left padding is the box's right one
-    pad_w = _c_round(f32(pad_x2 if mirror else pad_x1) * scale_x)
-    # rounding can push the warped region past the crop's edge
-    out_h, out_w = min(out_h, crop - pad_h), min(out_w, crop - pad_w)
-    return WarpBox(x1, y1, x2, y2, out_h, out_w, pad_h, pad_w)
-
-
-@register("WindowData", "WINDOW_DATA")
-class WindowDataLayer(StreamDataLayer):
-    """Caffe's WindowData layer (R-CNN fine-tuning): each item is a window sampled from a
-    window file, cut out of its image with optional context and warped to crop_size.
-
-    Every batch holds ``B - int(B * fg_fraction)`` background windows (overlap below
-    bg_threshold; label 0) followed by ``int(B * fg_fraction)`` foreground ones (overlap at
-    least fg_threshold; their class), each drawn uniformly from its set, then mirrored at
-    random when ``mirror`` is set; windows in between the thresholds are never used. Item
-    ``k`` of the stream draws from a Generator seeded by (layer seed, k), so a batch is a
-    pure function of its position (exact resume, prefetch) like the other data layers; as
-    the foreground/background split is per batch, P workers with batch B do not see what one
-    worker with batch P*B would, only different windows each.
-
-    Pixels are ``(pixel - mean) * scale`` where the warped window lands; the context that
-    falls outside the image stays 0. The mean is ``mean_value`` per channel, or the mean
-    file's centre crop_size x crop_size square (Caffe offsets both axes by
-    ``(mean_width - crop_size) // 2``). crop_size, mirror, scale and mean_file are read from
-    transform_param or window_data_param (a V1 net's upgrade moves them to transform_param;
-    Caffe reads ``scale`` from window_data_param only). Images are decoded with Pillow into
-    BGR (or grey when the window file gives 1 channel) and warped with OpenCV's bilinear rule.
-    """
-
-    exact_num_tops = 2
-
-    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        wp = self.param.window_data_param
-        if not wp.source:
-            raise self.fail("window_data_param.source is not set")
-        self.source = self.context.resolve(wp.source)
-        with self._named_errors():
-            images = read_window_file(self.source)
-        channels = {im.channels for im in images}
-        if len(channels) > 1:
-            raise self.fail(f"{self.source}: images with different numbers of channels "
-                            f"({sorted(channels)}); one batch holds one kind")
-        self.channels = channels.pop()
-        self.crop_size = int(self._setting("crop_size"))
-        if self.crop_size <= 0:
-            raise self.fail("crop_size must be set: every window is warped to "
-                            "crop_size x crop_size")
-        self.context_pad = int(wp.context_pad)
-        if 2 * self.context_pad >= self.crop_size:
-            raise self.fail(f"context_pad {self.context_pad} leaves no room for the window in "
-                            f"crop_size {self.crop_size}")
-        if wp.crop_mode not in ("warp", "square"):
-            raise self.fail(f"crop_mode must be \"warp\" or \"square\", got {wp.crop_mode!r}")
-        self.square = wp.crop_mode == "square"
-        self.mirror = bool(self._setting("mirror"))
-        self.scale = np.float32(self._setting("scale"))
-        self.mean = self._mean()
-        self.image_paths = [self.context.resolve(wp.root_folder + im.name) for im in images]
-        self.fg, self.bg = self._split(images, np.float32(wp.fg_threshold),
-                                       np.float32(wp.bg_threshold))
-        self._init_stream(wp.batch_size, 0, strided=True, prefetch=self.param.data_param.prefetch)
-        self._init_decoders()
-        self.num_fg = int(np.float32(self.batch_size) * np.float32(wp.fg_fraction))
-        self.num_bg = self.batch_size - self.num_fg
-        for pool, n, kind, rule in ((self.fg, self.num_fg, "foreground", f"overlap >= "
-                                     f"fg_threshold {wp.fg_threshold:g}"),
-                                    (self.bg, self.num_bg, "background", f"overlap < "
-                                     f"bg_threshold {wp.bg_threshold:g}")):
-            if n and not len(pool):
-                raise self.fail(f"{self.source} has no {kind} windows ({rule}) but each batch "
-                                f"takes {n}")
-        # Caffe keeps the files' bytes and decodes them per window; so do we
-        self._cache: list[bytes] | None = (
-            [self._read_bytes(i) for i in range(len(images))] if wp.cache_images else None)
-        self._seed = self._draw_seed()
-        self._shape_tops(top, [(self.batch_size, self.channels, self.crop_size, self.crop_size),
-                               (self.batch_size,)])
-
-    def _setting(self, field: str) -> float | bool | str:
-        """A field that transform_param and window_data_param both have: whichever is set."""
-        tp, wp = self.param.transform_param, self.param.window_data_param
-        if tp.HasField(field) and wp.HasField(field) and getattr(tp, field) != getattr(wp, field):
-            raise self.fail(f"transform_param.{field} and window_data_param.{field} differ; "
-                            f"set one")
-        return getattr(tp if tp.HasField(field) else wp, field)
-
-    def _mean(self) -> np.ndarray | None:
-        """The value to subtract at each output position, (C, crop, crop), or None."""
-        c, crop = self.channels, self.crop_size
-        values = np.asarray(self.param.transform_param.mean_value, dtype=np.float32)
-        mean_file = self._setting("mean_file")
-        if mean_file and len(values):
-            raise self.fail("cannot specify mean_file and mean_value at the same time")
-        if len(values):
-            if len(values) not in (1, c):
-                raise self.fail(f"specify either 1 mean_value or as many as channels ({c}), "
-                                f"got {len(values)}")
-            return np.ascontiguousarray(np.broadcast_to(
-                np.broadcast_to(values, (c,)).reshape(c, 1, 1), (c, crop, crop)))
-        if not mean_file:
-            return None
-        path = self.context.resolve(str(mean_file))
-        with self._named_errors():
-            mean = read_mean_file(path)
-        off = (mean.shape[2] - crop) // 2
-        if mean.shape[0] != c or off < 0 or off + crop > mean.shape[1]:
-            raise self.fail(f"mean file {path} has shape {mean.shape}; WindowData needs "
-                            f"({c}, H, W) with W >= crop_size {crop} and room for a "
-                            f"{crop}x{crop} square at ({off}, {off})")
-        return np.ascontiguousarray(mean[:, off:off + crop, off:off + crop])
-
-    def _split(self, images: list[WindowImage], fg_threshold: np.float32,
-               bg_threshold: np.float32) -> tuple[np.ndarray, np.ndarray]:
-        """Foreground and background windows as rows (image, label, x1, y1, x2, y2, line)."""
-        fg, bg = [], []
-        for i, im in enumerate(images):
-            for label, overlap, x1, y1, x2, y2, line in im.windows:
-                overlap = np.float32(overlap)  # Caffe compares in float
-                if overlap >= fg_threshold:
-                    if label <= 0:
-                        raise self.fail(f"{self.source}:{line}: a foreground window (overlap "
-                                        f"{overlap:g} >= fg_threshold) needs a class > 0, "
-                                        f"got {label}")
-                    fg.append((i, label, x1, y1, x2, y2, line))
-                elif overlap < bg_threshold:
-                    bg.append((i, 0, x1, y1, x2, y2, line))
-        return (np.array(fg, dtype=np.int64).reshape(-1, 7),
-                np.array(bg, dtype=np.int64).reshape(-1, 7))
-
-    def _read_bytes(self, image: int) -> bytes:
-        path = self.image_paths[image]
-        try:
-            return path.read_bytes()
-        except OSError as e:
-            raise self.fail(f"cannot read image {path} (image {image} of {self.source}): "
-                            f"{e.strerror}") from None
-
-    def _image(self, image: int) -> np.ndarray:
-        """The image as HWC uint8 (BGR, or one grey channel)."""
-        data = self._cache[image] if self._cache is not None else self._read_bytes(image)
-        try:
-            return decode_image(data, color=self.channels == 3)
-        except DataError as e:
-            raise self.fail(f"{self.image_paths[image]}: {e}") from None
-
-    def _load(self, pos: int) -> _Batch:
-        crop = self.crop_size
-        batch = _Batch(np.zeros((self.batch_size, self.channels, crop, crop), dtype=np.float32),
-                       np.empty(self.batch_size, dtype=np.float32))
-        # the draws are cheap and made here, in stream order; the jobs are the pictures, each
-        # decoded once for all of its windows in the batch (they often share one)
-        windows: dict[int, list[tuple[int, tuple[int, int, int, int], bool, int]]] = {}
-        for i, k in enumerate(self.record_indices(pos)):
-            rng = np.random.default_rng([self._seed, int(k)])
-            pool = self.bg if i < self.num_bg else self.fg
-            image, label, x1, y1, x2, y2, line = (int(v) for v in pool[rng.integers(len(pool))])
-            flip = self.mirror and bool(rng.integers(2))
-            windows.setdefault(image, []).append((i, (x1, y1, x2, y2), flip, line))
-            batch.labels[i] = label
-        batch.pending = self._pool.run([functools.partial(self._cut, batch, image, items)
-                                        for image, items in windows.items()])
-        return batch
-
-    def _cut(self, batch: _Batch, image: int,
-             items: list[tuple[int, tuple[int, int, int, int], bool, int]]) -> None:
-        """One decoding job: a picture, and each of its windows warped into its row."""
-        start = time.perf_counter()
-        img = self._image(image)
-        decoded = time.perf_counter()
-        for row, box, flip, line in items:
-            self._warp(img, box, flip, batch.data[row], line)
-        batch.times.append((decoded - start, time.perf_counter() - decoded))
-
-    def _warp(self, img: np.ndarray, box: tuple[int, int, int, int], flip: bool,
-              out: np.ndarray, line: int) -> None:
-        """Write one window, warped, into ``out`` (C, crop, crop), which starts at zero."""
-        try:
-            b = warp_box(box, img.shape[:2], self.crop_size, self.context_pad, self.square, flip)
-        except DataError as e:
-            raise self.fail(f"{self.source}:{line}: {e}") from None
-        if b.out_h <= 0 or b.out_w <= 0:  # a sliver that rounds to nothing
-            return
-        patch = resize_bilinear(img[b.y1:b.y2 + 1, b.x1:b.x2 + 1], b.out_h, b.out_w)
-        if flip:
-            patch = patch[:, ::-1]
-        where = (slice(None), slice(b.pad_h, b.pad_h + b.out_h), slice(b.pad_w, b.pad_w + b.out_w))
-        values = patch.transpose(2, 0, 1).astype(np.float32)
-        if self.mean is not None:
-            values -= self.mean[where]
-        out[where] = values * self.scale
-
-
-# -- HDF5Output ---------------------------------------------------------------------------------
-
-@register("HDF5Output", "HDF5_OUTPUT")
-class HDF5OutputLayer(Layer):
-    """Caffe's HDF5Output layer: appends its bottoms (data, label) to the datasets "data" and
-    "label" of hdf5_output_param.file_name on every forward; no tops, no gradient.
-
-    As in Caffe, set-up truncates the file and the datasets are 4-D (num, channels, height,
-    width: a label vector is saved as N x 1 x 1 x 1), in the blobs' float type. Caffe
-    writes each forward's blobs as new datasets, so its second forward fails; appending
-    along the first axis is what the layer is for. The file is created atomically and is
-    opened, extended and closed on each forward, so a run that stops between forwards leaves
-    a valid file holding every row written. A relative file_name's folder is looked up
-    beside the net file first, then in the working directory (like snapshot_prefix). With
-    several workers, worker ``r`` writes ``<stem>_<r><suffix>``: one file cannot take
-    concurrent appends.
-    """
-
-    exact_num_bottoms = 2
-    exact_num_tops = 0
-    DATASETS = ("data", "label")
-
-    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        file_name = self.param.hdf5_output_param.file_name
-        if not file_name:
-            raise self.fail("hdf5_output_param.file_name is not set")
-        self.file_name = self._output_path(file_name)
-        h5py = import_h5py()
-        try:
-            with atomic_path(self.file_name) as tmp, h5py.File(tmp, "w") as f:
-                for name, blob in zip(self.DATASETS, bottom):
-                    row = self._legacy_shape(blob)[1:]
-                    # about a batch per chunk, but under 4 MB: HDF5 caps a chunk at 4 GB
-                    row_bytes = max(1, math.prod(row) * blob.dtype.itemsize)
-                    rows = max(1, min(blob.shape[0], (4 << 20) // row_bytes))
-                    f.create_dataset(name, shape=(0, *row), maxshape=(None, *row),
-                                     dtype=blob.dtype, chunks=(rows, *row))
-        except OSError as e:
-            raise self.fail(f"cannot create HDF5 file {self.file_name}: {e}") from None
-
-    def _output_path(self, file_name: str) -> Path:
-        path = Path(file_name)
-        ctx = self.context
-        if ctx.world_size > 1:
-            path = path.with_name(f"{path.stem}_{ctx.rank}{path.suffix}")
-        if not path.is_absolute():
-            path = ctx.resolve(str(path.parent)) / path.name
-        if not path.parent.is_dir():
-            raise self.fail(f"folder {path.parent} of hdf5_output_param.file_name does not "
-                            f"exist")
-        return path
-
-    def _legacy_shape(self, blob: Blob) -> tuple[int, ...]:
-        """Caffe's (num, channels, height, width) view of a blob of at most 4 axes."""
-        if not 1 <= blob.num_axes() <= 4:
-            raise self.fail(f"blob of shape {blob.shape}: Caffe's HDF5 output takes blobs of "
-                            f"1 to 4 axes")
-        return blob.shape + (1,) * (4 - blob.num_axes())
-
-    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        if bottom[0].shape[:1] != bottom[1].shape[:1]:
-            raise self.fail(f"data ({bottom[0].shape}) and label ({bottom[1].shape}) must have "
-                            f"the same number of rows")
-
-    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        h5py = import_h5py()
-        arrays = [backend.to_numpy(b.data).reshape(self._legacy_shape(b)) for b in bottom]
-        try:
-            with h5py.File(self.file_name, "a") as f:
-                sets = [f[name] for name in self.DATASETS]
-                for d, a in zip(sets, arrays):
-                    if d.shape[1:] != a.shape[1:]:
-                        raise self.fail(f"{self.file_name}: '{d.name.lstrip('/')}' rows are "
-                                        f"{d.shape[1:]}, the bottom now gives {a.shape[1:]}")
-                for d, a in zip(sets, arrays):
-                    n = d.shape[0]
-                    d.resize(n + a.shape[0], axis=0)
-                    d[n:] = a
-        except (OSError, KeyError) as e:
-            raise self.fail(f"cannot append to HDF5 file {self.file_name}: {e}") from None
