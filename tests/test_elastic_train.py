@@ -176,7 +176,7 @@ def test_kill_9_of_a_worker_leaves_three_that_go_on_from_the_commit(rank, jobs, 
     """4 workers, kill -9 of one mid-run: the job finishes with 3 and exits 0; from the commit
     on it equals a 3-worker run resumed from it; it lost at most K iterations. For rank 0 the
     log and the snapshots move to the new rank 0 (another process writes them)."""
-    job = Job(tmp_path, digits_db, 4, iters=40)
+    job = Job(tmp_path, digits_db, 4, iters=25)
     stats = tmp_path / "stats.json"
     jobs.append(job.start("--min-workers", "3", "--backoff", "600", "--stats", str(stats)))
     job.wait_for(r"Elastic generation 1: 4 workers")
@@ -226,7 +226,7 @@ def test_a_worker_added_to_the_hosts_file_joins_within_one_commit(jobs, digits_d
                      r"Generation 2: 4 workers from commit (\d+) \(nothing lost\)")
     commit = int(m.group(1))
     assert commit % K == 0 and commit <= max(before, default=0) + 1 + K
-    job.wait_for(rf"Iteration {commit + 2 * K} ")
+    job.wait_for(rf"Iteration {commit + K} ")
     job.iters = stop(job)
     same_bits(resumed_reference(job, digits_db, 4, commit),
               tmp_path / f"el_iter_{job.iters}.caffemodel")
@@ -250,7 +250,7 @@ def test_sigterm_makes_a_worker_leave_at_a_boundary_and_nothing_is_rolled_back(
     while alive(leaver) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(leaver)
-    job.wait_for(rf"Iteration {boundary + 2 * K} ")
+    job.wait_for(rf"Iteration {boundary + K} ")
     job.iters = stop(job)
     assert "Elastic: lost " not in job.text()
     same_bits(resumed_reference(job, digits_db, 3, boundary),
@@ -285,16 +285,17 @@ def test_fewer_than_min_workers_stops_naming_who_is_missing_with_the_commit_on_d
 
 def test_a_flapping_worker_backs_off_then_is_excluded_and_the_job_goes_on(jobs, digits_db,  # noqa: F811
                                                                           tmp_path):
-    """A worker that dies again right after each join: it waits 1 s, then 2 s, and is excluded
-    after its third failure, each said in the log; the job keeps training through it."""
+    """A worker that dies again right after each join: it waits 1 s, and is excluded after its
+    second failure, each said in the log; the job keeps training through it. (The doubling of
+    the wait is test_elastic_rules.py's: a third start here would cost a generation more.)"""
     job = Job(tmp_path, digits_db, 3, iters=100000, snapshot=0)
-    jobs.append(job.start("--min-workers", "2", "--backoff", "1", "--max-failures", "3",
+    jobs.append(job.start("--min-workers", "2", "--backoff", "1", "--max-failures", "2",
                           "--commit-every", "40"))
     job.wait_for(r"Elastic generation 1: 3 workers")
     with job.hosts.open("a") as f:
         f.write(job.line(3))
     at = f"127.0.0.1:{job.port(3)}"
-    excluded = rf"Elastic: worker at {re.escape(at)} excluded: it failed 3 times in a row"
+    excluded = rf"Elastic: worker at {re.escape(at)} excluded: it failed 2 times in a row"
     deadline = time.monotonic() + 4 * LINE_S
     while not re.search(excluded, job.text()):
         assert time.monotonic() < deadline, job.text()[-3000:]
@@ -304,14 +305,12 @@ def test_a_flapping_worker_backs_off_then_is_excluded_and_the_job_goes_on(jobs, 
         time.sleep(0.02)
     log = job.text()
     said = [log.index(s) for s in (f"Elastic: worker at {at} may start again in 1 s (back-off)",
-                                   f"Elastic: worker at {at} failed 2 times in a row before the "
-                                   "job could commit with it: it may join again in 2 s",
                                    f"Elastic: worker at {at} excluded")]
     assert said == sorted(said)
     reached = max(int(i) for i in re.findall(r"\] Iteration (\d+) \(", log))
     job.wait_for(rf"\] Iteration {reached + 2 * K} \(")
     stop(job)
-    assert log.count(f"Elastic: started the worker at {at}") == 3
+    assert log.count(f"Elastic: started the worker at {at}") == 2
 
 
 def test_workers_that_join_by_hand_stop_when_the_driver_goes(digits_db, tmp_path):  # noqa: F811

@@ -91,7 +91,8 @@ def authenticate(verifier: Verifier, frames: list[bytes], sender: object) -> byt
     if len(frames) != 2:
         return None
     verdict = verifier.verify(frames[:1], frames[1])
-    if isinstance(verdict, str) or verifier.accept(sender, *verdict) is not None:
+    if isinstance(verdict, str) or verdict.count != 1 or \
+            verifier.accept(sender, verdict.session, verdict.counter) is not None:
         return None
     return frames[0]
 

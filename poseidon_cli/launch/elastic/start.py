@@ -68,9 +68,8 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
                                      show_default=True, help="--elastic: seconds between runs "
                                      "of --host-discovery.")),
 ]
-_NAMES = {"elastic", "min_workers", "max_workers", "commit_every", "elastic_lr",
-          "global_batch", "backoff", "max_failures", "rendezvous", "rendezvous_port",
-          "host_discovery", "discovery_interval"}
+#: the keywords click passes them as
+_NAMES = {decls[0].lstrip("-").replace("-", "_") for decls, _ in _OPTIONS}
 
 
 def elastic_options(command: Callable[..., Any]) -> Callable[..., Any]:
