@@ -254,10 +254,10 @@ class Syncer:
             self.wait(layer)
 
     def request(self, action: str) -> None:
-        """A signal asked this worker for ``action`` ('snapshot', 'stop' or 'leave'): tell every worker
-        through the next round's messages. Called from a signal handler, which runs on the
-        training thread: no lock (that thread may hold it), and only that thread touches
-        ``_request_out``."""
+        """A signal asked this worker for ``action`` ('snapshot', 'stop' or 'leave'): tell
+        every worker through the next round's messages. Called from a signal handler, which
+        runs on the training thread: no lock (that thread may hold it), and only that thread
+        touches ``_request_out``."""
         self._request_out |= REQUEST_BITS[action]
 
     def take_agreed(self) -> set[str]:
