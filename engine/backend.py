@@ -32,7 +32,7 @@ def use_gpu(device: int) -> None:
     global _device
     if not cupy_available():
         raise RuntimeError(f"--gpu {device}: CuPy with a CUDA GPU is not available on this machine "
-                           "(pip install 'poseidon[gpu]')")
+                           "(pip install -e '.[gpu]' in Poseidon's checkout)")
     _cupy.cuda.Device(device).use()
     _device = device
 
@@ -50,13 +50,9 @@ def device_name() -> str:
         return f"CPU {cpu}, NumPy {np.__version__}"
     props = _cupy.cuda.runtime.getDeviceProperties(_device)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-    try:
-        from cupy.cuda import cudnn
-        dnn = f", cuDNN {cudnn.getVersion()}"
-    except Exception:  # CuPy without its cuDNN bindings
-        dnn = ", no cuDNN"
+    from .kernels import cudnn_conv  # the convolutions' library decides most GPU times
     return (f"{name}, CUDA runtime {_cupy.cuda.runtime.runtimeGetVersion()}, "
-            f"CuPy {_cupy.__version__}{dnn}")
+            f"CuPy {_cupy.__version__}, {cudnn_conv.version()}")
 
 
 def xp_default() -> Any:

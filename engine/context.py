@@ -15,13 +15,15 @@ class RunContext:
     #: directories to resolve a relative path against, in order (the file that named it, then cwd)
     base_dirs: list[Path] = field(default_factory=list)
 
-    def resolve(self, path: str) -> Path:
-        """Caffe users run from CAFFE_ROOT: try the naming file's folder, then the cwd."""
+    def candidates(self, path: str) -> list[Path]:
+        """Where a relative path may be, in the order it is looked for (what an error about a
+        missing file names)."""
         p = Path(path)
         if p.is_absolute():
-            return p
-        for base in self.base_dirs:
-            cand = base / p
-            if cand.exists():
-                return cand
-        return Path.cwd() / p if not self.base_dirs else self.base_dirs[0] / p
+            return [p]
+        return [base / p for base in self.base_dirs] or [Path.cwd() / p]
+
+    def resolve(self, path: str) -> Path:
+        """Caffe users run from CAFFE_ROOT: try the naming file's folder, then the cwd."""
+        places = self.candidates(path)
+        return next((cand for cand in places if cand.exists()), places[0])

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from .console import fail, user_errors
-from .simulate_cmd import parse_workers
+from .simulate_cmd import NO_MATPLOTLIB, parse_workers
 
 
 @click.command("cluster")
@@ -42,9 +42,10 @@ def cluster(solver: str, workers: str, schemes: str, bandwidth: str, compute: st
             trace_path: str | None, time_scale: float, slots: int, iters: int, warmup: int,
             json_path: str | None, plot: str | None) -> None:
     """Real workers in network namespaces over shaped links, next to `simulate`'s prediction."""
-    from .benches import cluster as bench
     from engine.comm.link import parse_bandwidth
     from engine.perf.netns import ClusterError
+
+    from .benches import cluster as bench
 
     if compute == "replay" and trace_path is None:
         fail("--compute replay needs --trace (layer times to replay)")
@@ -92,8 +93,10 @@ def cluster(solver: str, workers: str, schemes: str, bandwidth: str, compute: st
                   **bench.summary(rows)}
         if json_path:
             Path(json_path).write_text(json.dumps(report, indent=1) + "\n")
-        if plot:
-            _plot(rows, plot, f"{Path(solver).parent.name}, {bandwidth}, compute {compute}")
+        if plot and not _plot(rows, plot, f"{Path(solver).parent.name}, {bandwidth}, "
+                                          f"compute {compute}"):
+            click.echo(f"{NO_MATPLOTLIB}; {plot} was not written (the measurements above "
+                       "stand)")
 
 
 def namespaces_or_fail() -> None:
@@ -108,14 +111,14 @@ def namespaces_or_fail() -> None:
     cleanup_stale()
 
 
-def _plot(rows: list, path: str, title: str) -> None:
+def _plot(rows: list, path: str, title: str) -> bool:
+    """False (nothing written) where matplotlib is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValueError(f"--plot needs matplotlib: pip install 'poseidon[plot]' ({path} was "
-                         "not written; the measurements above stand)") from None
+        return False
     fig, ax = plt.subplots(figsize=(6, 4.5))
     ps = sorted({r.workers for r in rows})
     ax.plot(ps, ps, "k--", label="linear")
@@ -134,3 +137,4 @@ def _plot(rows: list, path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True

@@ -1,4 +1,5 @@
-"""`poseidon bench time`: forward + backward of the engine beside the real Caffe and PyTorch CPU."""
+"""`poseidon bench time`: forward + backward of the engine beside the real Caffe and PyTorch, on
+the CPU or (--gpu) a GPU."""
 from __future__ import annotations
 
 import json
@@ -12,8 +13,9 @@ from .console import fail
 
 
 @click.command("time")
-@click.option("--nets", default="lenet,cifar10_quick,alexnet", show_default=True,
-              help="Nets of the zoo to time.")
+@click.option("--nets", default=None,
+              help="Nets of the zoo to time [default: lenet,cifar10_quick,alexnet; with --gpu "
+                   "also googlenet,vgg16,resnet50].")
 @click.option("--repeats", type=int, default=5, show_default=True,
               help="Alternating repetitions (the median is reported).")
 @click.option("--iterations", type=int, default=None, help="Passes per timing (default per net).")
@@ -22,13 +24,23 @@ from .console import fail
 @click.option("--caffe", "caffe", default=None,
               help="A `caffe` binary (BVLC Caffe) to time in the same run; without it, Caffe's "
                    "recorded times are shown, labelled as recorded.")
+@click.option("--gpu", type=int, default=None,
+              help="Time on this GPU (CuPy and cuDNN; PyTorch on the same GPU) at GPU batch sizes.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-def time_cmd(nets: str, repeats: int, iterations: int | None, threads: str, caffe: str | None,
-             json_path: str | None) -> None:
-    """The engine's forward+backward next to Caffe and PyTorch CPU, alternating runs."""
+def time_cmd(nets: str | None, repeats: int, iterations: int | None, threads: str,
+             caffe: str | None, gpu: int | None, json_path: str | None) -> None:
+    """The engine's forward+backward next to Caffe and PyTorch, alternating runs."""
     from poseidon_cli.benches.comm import cpu_name_and_blas
     from poseidon_cli.benches.time import NETS, run, torch_available
 
+    if nets is None:
+        nets = "lenet,cifar10_quick,alexnet" + (",googlenet,vgg16,resnet50" if gpu is not None
+                                                else "")
+    if gpu is not None:
+        from engine import backend
+        if not backend.cupy_available():
+            fail(f"--gpu {gpu}: CuPy with a CUDA GPU is not available on this machine "
+                 "(pip install -e '.[gpu]' in Poseidon's checkout)")
     chosen = [n.strip() for n in nets.split(",") if n.strip()]
     unknown = [n for n in chosen if n not in NETS]
     if unknown:
@@ -47,7 +59,7 @@ def time_cmd(nets: str, repeats: int, iterations: int | None, threads: str, caff
     if not torch_available():
         click.echo("PyTorch is not installed (pip install torch==2.13.0): no PyTorch peer")
     try:
-        report = run(chosen, repeats, iterations, n_threads, caffe, click.echo)
+        report = run(chosen, repeats, iterations, n_threads, caffe, click.echo, gpu)
     except RuntimeError as e:
         fail(str(e))
     for peer, blas in report["blas"].items():

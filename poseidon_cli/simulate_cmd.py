@@ -48,15 +48,20 @@ def parse_shape(text: str | None) -> list[int] | None:
     return dims
 
 
-def plot_speedup(predictions: Sequence, path: str, title: str) -> None:
-    """Speedup against workers, one line per scheme, and linear scaling for reference."""
+#: said instead of a plot where matplotlib is missing (the checkout's extra: PyPI's
+#: `poseidon` is another project)
+NO_MATPLOTLIB = "--plot needs matplotlib: pip install -e '.[plot]' in the checkout"
+
+
+def plot_speedup(predictions: Sequence, path: str, title: str) -> bool:
+    """Speedup against workers, one line per scheme, and linear scaling for reference; False
+    (nothing written) where matplotlib is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValueError(f"--plot needs matplotlib: pip install 'poseidon[plot]' "
-                         f"(nothing else was affected; {path} was not written)") from None
+        return False
     fig, ax = plt.subplots(figsize=(6, 4.5))
     workers = sorted({p.workers for p in predictions})
     ax.plot(workers, workers, "k--", label="linear")
@@ -71,6 +76,7 @@ def plot_speedup(predictions: Sequence, path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
 
 
 @click.command("simulate")
@@ -124,10 +130,15 @@ def simulate(model: str, trace_path: str | None, estimate: bool, batch: int | No
              measured_comm: bool, chunk_bytes: int, save_trace: str | None, as_json: bool,
              plot: str | None) -> None:
     """Predict iteration time, exposed communication and speedup per scheme and worker count."""
+    from engine.comm.link import (
+        UNFAIR_MEASURED,
+        Link,
+        load_link,
+        parse_bandwidth,
+        parse_duration,
+    )
     from engine.perf.dag import MEASURED, SCHEMES, missing_layers, sweep
     from engine.perf.flops import TITAN_X, trace_from_flops
-    from engine.comm.link import (UNFAIR_MEASURED, Link, load_link, parse_bandwidth,
-                                  parse_duration)
     from engine.perf.netinfo import net_info
     from engine.perf.trace import load_trace
 
@@ -180,8 +191,7 @@ def simulate(model: str, trace_path: str | None, estimate: bool, batch: int | No
             "communication as measured in the trace" if measured_comm else
             f"{link.bits_per_s / 1e9:g} Gbit/s, alpha {link.alpha_s * 1e6:g} us")
                  + (f", {slots} workers per machine" if slots > 1 else ""))
-        if plot:
-            plot_speedup(predictions, plot, title)
+        plotted = bool(plot) and plot_speedup(predictions, plot, title)
     report = {"net": info.name, "batch": info.batch, "params": info.total_params,
               "trace": {"source": trace.source, "device": trace.device},
               "link": link.as_dict(), "predictions": [
@@ -192,6 +202,8 @@ def simulate(model: str, trace_path: str | None, estimate: bool, batch: int | No
         report["measured"] = check
     if as_json:
         click.echo(json.dumps(report, indent=1))
+        if plot and not plotted:
+            click.echo(f"{NO_MATPLOTLIB}; {plot} was not written", err=True)
         return
     _print_table(predictions, title, trace.source)
     if check:
@@ -199,7 +211,7 @@ def simulate(model: str, trace_path: str | None, estimate: bool, batch: int | No
                    f"{check['workers']} workers; the recurrence on the measured times "
                    f"{check['predicted_s'] * 1e3:.2f} ms ({check['error']:+.2%})")
     if plot:
-        click.echo(f"wrote {plot}")
+        click.echo(f"wrote {plot}" if plotted else f"{NO_MATPLOTLIB}; {plot} was not written")
 
 
 def _against_measured(predictions: Sequence, trace: Any) -> dict[str, float] | None:

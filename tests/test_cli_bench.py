@@ -2,13 +2,16 @@
 and `bench cluster` (real workers in namespaces, real compute on a small net)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import shutil
 
 import pytest
 from click.testing import CliRunner
 
+from engine import backend
 from engine.comm.link import load_link
 from tests.test_cli_caffe_habits import run
 from tests.test_comm_train import digits_db, write_run  # noqa: F401
@@ -193,3 +196,30 @@ def test_bench_train_poseidon_side(monkeypatch, tmp_path):
     assert all(p["net"] == "conv" for p in report["poseidon"])
     assert rows[(2, "ring")]["plan"] == ["ring"] and rows[(2, "hybrid")]["plan"] == ["ps"]
     assert rows[(2, "ring")]["images_per_s"] > 0 and rows[(2, "ring")]["worker_bytes_per_iter"] > 0
+
+
+@pytest.mark.skipif(backend.cupy_available(), reason="checks the machine without a GPU")
+def test_bench_time_on_a_gpu_that_is_not_there_is_one_line():
+    from poseidon_cli.main import cli
+    r = CliRunner().invoke(cli, ["bench", "time", "--gpu", "0", "--nets", "lenet"])
+    assert r.exit_code != 0
+    assert "--gpu 0: CuPy with a CUDA GPU is not available on this machine" in r.output
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs PyTorch (the peer)")
+@pytest.mark.parametrize("name", ["googlenet", "resnet50"])
+def test_the_torch_peer_runs_the_gpu_nets_layer_types(tmp_path, name):
+    """Concat, Split, BatchNorm, Scale, Eltwise, global pooling and weighted losses map to torch
+    ops: the peer's loss at batch 2 is the engine's (same weights, same zeros; the heads'
+    losses summed with their loss_weight; dropout off, since the two draw other masks)."""
+    from engine.net import Net
+    from poseidon_cli.benches.time import write_net
+    from poseidon_cli.benches.torch_peer import build
+    proto = write_net(name, tmp_path, 2)
+    proto.write_text(re.sub(r"dropout_ratio: [0-9.]+", "dropout_ratio: 0.0", proto.read_text()))
+    net = Net(str(proto), phase="TRAIN")
+    step, params = build(net)
+    theirs = float(step())
+    ours = net.forward_prefilled()
+    assert theirs == pytest.approx(ours, rel=1e-4)
+    assert all(p.grad is not None for p in params)

@@ -15,15 +15,24 @@ from engine import backend
 from engine.blob import Blob
 from engine.context import RunContext
 from engine.data import converters
-from engine.data.datum import DataError, array_to_datum, datum_to_array, encode_image, parse_datum
+from engine.data.datum import (
+    DataError,
+    array_to_datum,
+    datum_to_array,
+    encode_image,
+    parse_datum,
+)
 from engine.data.lmdb_source import open_db, write_lmdb
 from engine.data.prefetch import Prefetcher
-from engine.data.transformer import (DataTransformer, crop_draws, read_mean_file,
-                                     write_mean_file)
+from engine.data.transformer import (
+    DataTransformer,
+    crop_draws,
+    read_mean_file,
+    write_mean_file,
+)
 from engine.layers.base import LayerError, create_layer
 from engine.pb import caffe_pb2
 from tests.conftest import ROOT, shared_path
-
 
 # -- helpers -------------------------------------------------------------------------------
 
@@ -412,6 +421,33 @@ def test_missing_lmdb_names_path_and_command(tmp_path: Path) -> None:
         data_layer(tmp_path / "mnist_train_lmdb", 4)
     with pytest.raises(LayerError, match="poseidon data cifar10"):
         data_layer(tmp_path / "cifar10_test_lmdb", 4)
+    # a database of one's own images: the converter, with where it would go
+    with pytest.raises(LayerError) as e:
+        data_layer(tmp_path / "ilsvrc12_train_lmdb", 4)
+    assert f"LMDB not found: {tmp_path / 'ilsvrc12_train_lmdb'} (make it" in str(e.value)
+    assert (f"make it from your images with `poseidon data images --list LIST --root ROOT "
+            f"--out {tmp_path / 'ilsvrc12_train_lmdb'}` (Caffe's convert_imageset)"
+            in str(e.value))
+
+
+def test_a_missing_relative_source_names_every_place_looked(tmp_path: Path, monkeypatch) -> None:
+    """A relative source is looked for beside the prototxt, then in the working directory:
+    the error names both, absolute."""
+    from engine.net import Net
+    nets = tmp_path / "nets"
+    nets.mkdir()
+    (nets / "n.prototxt").write_text(
+        'layer { name: "d" type: "Data" top: "x" top: "y" '
+        'data_param { source: "data/own_lmdb" batch_size: 2 backend: LMDB } }')
+    elsewhere = tmp_path / "run"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(Exception) as e:
+        Net(str(nets / "n.prototxt"), phase="TRAIN")
+    said = str(e.value)
+    assert f"LMDB not found: {nets / 'data' / 'own_lmdb'}" in said
+    assert f"(nor {elsewhere / 'data' / 'own_lmdb'})" in said
+    assert "from source 'data/own_lmdb'" in said
 
 
 def test_empty_and_corrupt_lmdb(tmp_path: Path) -> None:

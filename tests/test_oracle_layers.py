@@ -1,4 +1,7 @@
-"""Every blob, diff and parameter gradient against the real BVLC Caffe (oracle/layers)."""
+"""Every blob, diff and parameter gradient against the real BVLC Caffe (oracle/layers).
+
+The checks are functions of the oracle alone, so tests/test_gpu_parity_nets.py runs the same
+ones with the nets built on a GPU."""
 from __future__ import annotations
 
 import json
@@ -6,6 +9,7 @@ import json
 import numpy as np
 import pytest
 
+from engine import backend
 from engine.net import Net
 from tests.conftest import shared_path
 
@@ -15,7 +19,7 @@ TOL = 1e-4  # relative to the array's largest magnitude
 
 def close(ours: np.ndarray, theirs: np.ndarray) -> float:
     scale = max(float(np.abs(theirs).max()), 1e-12)
-    return float(np.abs(np.asarray(ours, np.float64) - theirs).max()) / scale
+    return float(np.abs(backend.to_numpy(ours).astype(np.float64) - theirs).max()) / scale
 
 
 @pytest.fixture(params=NETS)
@@ -33,6 +37,14 @@ def run(d, name, manifest, ref, phase):
 
 
 def test_train_forward_backward_matches_caffe(oracle):
+    check_train_forward_backward(oracle)
+
+
+def test_test_phase_forward_matches_caffe(oracle):
+    check_test_forward(oracle)
+
+
+def check_train_forward_backward(oracle) -> None:
     d, name, manifest, ref = oracle
     net = run(d, name, manifest, ref, "TRAIN")
     for layer, blobs in net.params.items():
@@ -59,7 +71,7 @@ def test_train_forward_backward_matches_caffe(oracle):
     assert len(worst) > 20
 
 
-def test_test_phase_forward_matches_caffe(oracle):
+def check_test_forward(oracle) -> None:
     d, name, manifest, ref = oracle
     net = run(d, name, manifest, ref, "TEST")
     keys = [k for k in ref.files if k.startswith("test/blob/")]

@@ -122,5 +122,5 @@ def test_draw_without_pydot_says_how_to_get_it(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "pydot", None)  # as if it were not installed
     monkeypatch.delitem(sys.modules, "caffe.draw", raising=False)
-    with pytest.raises(ImportError, match=r"caffe.draw needs pydot: pip install 'poseidon\[draw\]'"):
+    with pytest.raises(ImportError, match=r"caffe.draw needs pydot: pip install -e '\.\[draw\]' in Poseidon's checkout"):
         import caffe.draw  # noqa: F401

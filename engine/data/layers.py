@@ -42,11 +42,11 @@ from typing import Any, Iterator, NamedTuple, Sequence
 import numpy as np
 
 from .. import backend, glog
-from ..pb import caffe_pb2
 from ..blob import Blob
 from ..layers.base import Layer, register
-from .datum import (DataError, datum_image, datum_is_encoded, load_image)
-from .decoders import DecodeStats, DecoderPool, Pending, default_decoders
+from ..pb import caffe_pb2
+from .datum import DataError, datum_image, datum_is_encoded, load_image
+from .decoders import DecoderPool, DecodeStats, Pending, default_decoders
 from .imageset import ListEntry, read_image_list
 from .lmdb_source import DBSource, SourceNotFound, open_db
 from .prefetch import Prefetcher
@@ -62,8 +62,9 @@ def _how_to_make(path: Path) -> str:
     for fragment, command in _MAKERS:
         if fragment in name:
             return f"make it with `poseidon data {command} --out {path.parent}`"
-    return ("make it with `poseidon data mnist|cifar10|fashion-mnist|digits --out DIR`, "
-            "or Caffe's convert_imageset")
+    return (f"make it from your images with `poseidon data images --list LIST --root ROOT "
+            f"--out {path}` (Caffe's convert_imageset), or a public set with `poseidon data "
+            f"mnist|cifar10|fashion-mnist|digits --out DIR`")
 
 
 class PendingBatch:
@@ -408,9 +409,12 @@ class DataLayer(_ImageStreamLayer):
                 # first), so they can be views of its pages
                 self._db: DBSource = open_db(self.source, backend_name, zero_copy=True)
             except SourceNotFound:
-                shown = Path(os.path.normpath(self.source))
-                raise DataError(f"{backend_name} not found: {shown} "
-                                f"({_how_to_make(shown)})") from None
+                places = [Path(os.path.abspath(p)) for p in ctx.candidates(source)]
+                looked = "" if len(places) == 1 else " (nor " + ", ".join(
+                    str(p) for p in places[1:]) + ")"
+                named = "" if Path(source).is_absolute() else f", from source {source!r}"
+                raise DataError(f"{backend_name} not found: {places[0]}{looked}{named} "
+                                f"({_how_to_make(places[0])})") from None
         self._spare: DBSource | None = None
         self._init_transformer()
         skip = int(backend.rng().integers(dp.rand_skip)) if dp.rand_skip else 0

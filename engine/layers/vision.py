@@ -7,18 +7,23 @@ per group; Deconvolution is the same machinery run backwards (Caffe's weight lay
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 import numpy as np
 
 from .. import backend, fillers
 from ..blob import Blob
+from ..kernels import cudnn_conv
 from ..kernels.geometry import Geometry, conv_out_size, pool_out_size
 from ..pb import caffe_pb2
 from . import im2col as K
-from . import pool
-from . import winograd
+from . import pool, winograd
 from .base import Layer, LayerError, register
+
+log = logging.getLogger(__name__)
+#: layers already said to keep im2col on the GPU (once each, not at every reshape)
+_SAID_NO_CUDNN: set[str] = set()
 
 _POOL = caffe_pb2.PoolingParameter
 #: Weight gradients with at most this many entries per group are summed image by image
@@ -163,11 +168,32 @@ class _BaseConvolution(Layer):
         self.num = bottom[0].count_range(0, ax)
         for t in top:
             t.reshape((*shape[:ax], self.num_output, out_h, out_w))
-        self.winograd = None  # a Deconvolution (transposed) always keeps im2col
-        if (not self.transposed and backend.get_array_module(bottom[0].data) is np
-                and self.param.convolution_param.engine != caffe_pb2.ConvolutionParameter.CAFFE
-                and winograd.suits(self.geometry, self.channels // self.group, self.num)):
-            self.winograd = winograd.Plan(self.geometry, self.num_output, self.group, self.num)
+        key = (self.geometry, self.num, backend.is_gpu_array(bottom[0].data), bottom[0].dtype)
+        if key != getattr(self, "_plan_key", None):  # Caffe reshapes at every forward
+            self.plan, self._plan_key = self._fast_plan(bottom[0]), key
+
+    def _fast_plan(self, bottom: Blob) -> Any:
+        """Winograd on the CPU, cuDNN on the GPU, unless the layer asks for `engine: CAFFE`
+        (im2col + GEMM, Caffe's own order of sums) or neither suits its shape."""
+        if self.param.convolution_param.engine == caffe_pb2.ConvolutionParameter.CAFFE:
+            return None
+        if backend.get_array_module(bottom.data) is np:
+            if not self.transposed and winograd.suits(self.geometry, self.channels // self.group,
+                                                      self.num):
+                return winograd.Plan(self.geometry, self.num_output, self.group, self.num)
+            return None
+        if not cudnn_conv.suits(bottom.dtype):
+            return None
+        grid_channels = self.channels if self.transposed else self.num_output
+        try:
+            return cudnn_conv.Plan(self.geometry, grid_channels, self.group, self.num,
+                                   transposed=self.transposed)
+        except Exception as e:  # cuDNN has no engine for this shape: im2col still runs it
+            if self.name not in _SAID_NO_CUDNN:
+                _SAID_NO_CUDNN.add(self.name)
+                log.warning("layer '%s': cuDNN cannot run this convolution (%s); it uses "
+                            "im2col + GEMM", self.name, str(e).splitlines()[0][:200])
+            return None
 
     # -- shared helpers ---------------------------------------------------------------
     def _grouped_weight(self) -> Any:
@@ -246,8 +272,8 @@ class ConvolutionLayer(_BaseConvolution):
         for b, t in zip(bottom, top):
             x = self._images(b.data, self.channels)
             y = self._images(t.data, self.num_output)
-            if self.winograd:
-                self.winograd.forward(x, self.blobs[0].data, y)
+            if self.plan:
+                self.plan.forward(x, self.blobs[0].data, y)
                 self._add_bias(y)
                 continue
             for s in self._chunks(xp, x.dtype.itemsize):
@@ -268,9 +294,9 @@ class ConvolutionLayer(_BaseConvolution):
                 continue
             x = self._images(b.data, self.channels)
             dx = self._images(b.diff, self.channels) if down else None
-            if self.winograd:
-                self.winograd.backward(dy, x, self.blobs[0].data,
-                                       self.blobs[0].diff if want_w else None, dx)
+            if self.plan:
+                self.plan.backward(dy, x, self.blobs[0].data,
+                                   self.blobs[0].diff if want_w else None, dx)
                 continue
             dw = self.blobs[0].diff.reshape(wg.shape)
             for s in self._chunks(xp, x.dtype.itemsize):
@@ -295,6 +321,10 @@ class DeconvolutionLayer(_BaseConvolution):
         for b, t in zip(bottom, top):
             x = self._images(b.data, self.channels)
             y = self._images(t.data, self.num_output)
+            if self.plan:
+                self.plan.forward(x, self.blobs[0].data, y)
+                self._add_bias(y)
+                continue
             for s in self._chunks(xp, x.dtype.itemsize):
                 col = xp.matmul(wg.transpose(0, 2, 1), K.grid_operand(x[s], g, self.group))
                 K.col2im(col.reshape(g.col_rows, -1), g, s.stop - s.start, out=y[s])
@@ -313,6 +343,10 @@ class DeconvolutionLayer(_BaseConvolution):
                 continue
             x = self._images(b.data, self.channels)
             dx = self._images(b.diff, self.channels) if down else None
+            if self.plan:
+                self.plan.backward(dy, x, self.blobs[0].data,
+                                   self.blobs[0].diff if want_w else None, dx)
+                continue
             dw = self.blobs[0].diff.reshape(wg.shape)
             for s in self._chunks(xp, x.dtype.itemsize):
                 col = K.im2col(dy[s], g).reshape(self.group, g.col_rows // self.group, -1)

@@ -1,0 +1,1 @@
+"""The protobuf modules generated from caffe.proto and poseidon.proto (generate.py writes them)."""

@@ -45,6 +45,24 @@ def _sync() -> None:
         xp.cuda.Device().synchronize()
 
 
+def time_passes(net: Net, iterations: int) -> float:
+    """Milliseconds per forward+backward pass, each timed whole after two warm-up passes, the
+    device synchronised once at the end (`caffe time`'s total, without a timer per layer that
+    would stop a GPU's queue after every layer)."""
+    if iterations < 1:
+        raise ValueError(f"iterations must be positive, got {iterations}")
+    for _ in range(2):  # kernels compile, plans build, the memory pool fills
+        net.forward_prefilled()
+        net.backward()
+    _sync()
+    start = time.perf_counter()
+    for _ in range(iterations):
+        net.forward_prefilled()
+        net.backward()
+    _sync()
+    return (time.perf_counter() - start) * 1000.0 / iterations
+
+
 def time_net(net: Net, iterations: int = 50) -> TimingReport:
     """Time ``iterations`` forward+backward passes layer by layer, after one warm-up pass,
     as `caffe time` does (per-layer times are per iteration, averaged)."""

@@ -1,6 +1,6 @@
 """``caffe.draw``: a picture of a NetParameter (layers as boxes, blobs as octagons) via pydot.
 
-pydot is an optional extra (``pip install 'poseidon[draw]'``); rendering to an image also
+pydot is an optional extra (``pip install -e '.[draw]' in Poseidon's checkout``); rendering to an image also
 needs Graphviz's ``dot`` program. ``get_pydot_graph`` builds the graph without either being
 run; ``draw_net`` renders it (PNG bytes by default), ``draw_net_to_file`` writes it in the
 format its suffix names (``.raw`` for the dot source).
@@ -12,9 +12,9 @@ from typing import Any
 try:
     import pydot
 except ImportError:  # pragma: no cover - depends on the environment
-    raise ImportError("caffe.draw needs pydot: pip install 'poseidon[draw]' (or pip install "
-                      "pydot), and Graphviz's dot to render images (apt-get install graphviz)"
-                      ) from None
+    raise ImportError("caffe.draw needs pydot: pip install -e '.[draw]' in Poseidon's "
+                      "checkout (or pip install pydot), and Graphviz's dot to render images "
+                      "(apt-get install graphviz)") from None
 
 from engine.pb import caffe_pb2
 

@@ -322,10 +322,9 @@ def run_bench(solver: Path, workers: list[int], schemes: list[str], bits_per_s: 
 
 def _measured_trace(solver: Path) -> Trace:
     """`--compute real`: this machine's own layer times for the training net, measured now."""
-    from engine.solver import Solver
     from engine.perf.timing import time_net
-
     from engine.perf.trace import trace_from_dict
+    from engine.solver import Solver
 
     s = Solver(solver)
     try:

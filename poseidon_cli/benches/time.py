@@ -7,6 +7,11 @@ same net. Each repetition runs every peer in a fresh subprocess with the same BL
 count, alternating, so all see the same machine load; medians and the ratios of Poseidon to
 each peer are reported. Without a Caffe binary, Caffe's recorded times are shown, labelled
 as recorded: a time taken on another day on a shared machine is no peer.
+
+With ``gpu`` both Poseidon (CuPy, cuDNN convolutions) and PyTorch (cudnn.benchmark on) run on
+that GPU at the GPU batch sizes, fp32 with TF32 off for both, each pass timed whole with one
+device synchronisation at its end (as `caffe time` times its total); the per-layer table of
+the net furthest from PyTorch is timed separately (a synchronisation after each layer).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 from google.protobuf import text_format
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,39 +43,63 @@ class BenchNet:
     #: BVLC Caffe 1.0 `caffe time`, fwd+bwd ms with 1 and 2 OpenBLAS threads, recorded on a
     #: 2-vCPU AMD EPYC VM (shared/fixtures/oracle/time/TIMING.md); shown only without --caffe
     recorded_caffe_ms: dict[int, float]
+    #: the batch timed on a GPU (the sizes GPU benchmarks of these nets are quoted at)
+    gpu_batch: int = 32
+
+
+def _zoo(name: str) -> Path:
+    return ROOT / "models" / name / "train_val.prototxt"
 
 
 NETS = {
-    "lenet": BenchNet(ROOT / "models" / "lenet" / "train_val.prototxt", 64, 50, (1, 28, 28),
-                      {1: 17.6, 2: 19.4}),
-    "cifar10_quick": BenchNet(ROOT / "models" / "cifar10_quick" / "train_val.prototxt", 100, 10,
-                              (3, 32, 32), {1: 160.7, 2: 175.5}),
-    "alexnet": BenchNet(ROOT / "models" / "alexnet" / "train_val.prototxt", 32, 3, None,
-                        {1: 1919.5, 2: 1634.8}),
+    "lenet": BenchNet(_zoo("lenet"), 64, 50, (1, 28, 28), {1: 17.6, 2: 19.4}, gpu_batch=64),
+    "cifar10_quick": BenchNet(_zoo("cifar10_quick"), 100, 10, (3, 32, 32),
+                              {1: 160.7, 2: 175.5}, gpu_batch=100),
+    "alexnet": BenchNet(_zoo("alexnet"), 32, 3, None, {1: 1919.5, 2: 1634.8}, gpu_batch=128),
+    # GPU nets (minutes per pass on two cores: never in the CPU default)
+    "googlenet": BenchNet(_zoo("googlenet"), 32, 2, None, {}),
+    "vgg16": BenchNet(_zoo("vgg16"), 32, 1, None, {}),
+    "resnet50": BenchNet(_zoo("resnet50"), 32, 1, None, {}),
 }
+#: passes per timing on a GPU (each a few to a few hundred milliseconds)
+GPU_ITERATIONS = 20
 
 _CHILD = r"""
 import json, sys, time
-peer, proto, iters, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+peer, proto, iters, threads, gpu = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+from engine import backend
+if gpu >= 0 and peer.startswith("poseidon"):
+    backend.use_gpu(gpu)
 from engine.net import Net
 net = Net(proto, phase="TRAIN")
 if peer == "poseidon":
+    from engine.perf.timing import time_passes
+    from poseidon_cli.benches.time import engine_in_use
+    print(json.dumps({"ms": time_passes(net, iters), "blas": engine_in_use()}))
+elif peer == "poseidon-layers":
     from engine.perf.timing import time_net
-    ms = time_net(net, iters).total_ms
-    from poseidon_cli.benches.time import blas_in_use
-    print(json.dumps({"ms": ms, "blas": blas_in_use()}))
+    report = time_net(net, iters)
+    print(json.dumps({"ms": report.total_ms, "blas": report.device,
+                      "layers": [l.as_dict() for l in report.layers]}))
 else:
     import torch
     torch.set_num_threads(threads)
-    from poseidon_cli.benches.torch_peer import build
-    step, _ = build(net)
-    step()
+    from poseidon_cli.benches.torch_peer import build, describe
+    device = f"cuda:{gpu}" if gpu >= 0 else "cpu"
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    step, _ = build(net, device)
+    sync = torch.cuda.synchronize if gpu >= 0 else (lambda: None)
+    for _ in range(3 if gpu >= 0 else 1):  # cudnn.benchmark tries its algorithms here
+        step()
+    sync()
     t = time.perf_counter()
     for _ in range(iters):
         step()
+    sync()
     ms = (time.perf_counter() - t) * 1000 / iters
-    print(json.dumps({"ms": ms, "blas": f"torch {torch.__version__}, {torch.get_num_threads()} "
-                                        f"threads, oneDNN {torch.backends.mkldnn.is_available()}"}))
+    print(json.dumps({"ms": ms, "blas": describe(device, threads)}))
 """
 
 _CAFFE_TOTAL = re.compile(r"Average Forward-Backward:\s*([0-9.]+)\s*ms")
@@ -79,6 +109,12 @@ _GLOG_FATAL = re.compile(r"^F\d{4,8} [^\]]*\] (.*)$", re.MULTILINE)
 
 def torch_available() -> bool:
     return importlib.util.find_spec("torch") is not None
+
+
+def engine_in_use() -> str:
+    """What the engine's times depend on: the GPU and its libraries, or the CPU's BLAS."""
+    from engine import backend
+    return backend.device_name() if backend.xp_default() is not np else blas_in_use()
 
 
 def blas_in_use() -> str:
@@ -98,13 +134,14 @@ def blas_in_use() -> str:
     return f"{blas}; {kernels}"
 
 
-def write_net(name: str, folder: Path) -> Path:
+def write_net(name: str, folder: Path, batch: int | None = None) -> Path:
     """The timed net of ``name`` as a prototxt in ``folder`` (Caffe reads it too)."""
     from engine.perf.netinfo import read_train_net, with_inputs
     spec = NETS[name]
-    param, _ = with_inputs(read_train_net(spec.train_val), spec.batch, input_shape=spec.image,
+    batch = batch or spec.batch
+    param, _ = with_inputs(read_train_net(spec.train_val), batch, input_shape=spec.image,
                            where=spec.train_val.parent)
-    path = folder / f"{name}_b{spec.batch}.prototxt"
+    path = folder / f"{name}_b{batch}.prototxt"
     path.write_text(text_format.MessageToString(param))
     return path
 
@@ -114,13 +151,19 @@ def _env(threads: int) -> dict[str, str]:
     return dict(os.environ, OPENBLAS_NUM_THREADS=n, OMP_NUM_THREADS=n, MKL_NUM_THREADS=n)
 
 
-def _child(peer: str, proto: Path, iters: int, threads: int) -> tuple[float, str]:
+def _child_report(peer: str, proto: Path, iters: int, threads: int,
+                  gpu: int | None) -> dict[str, Any]:
     done = subprocess.run([sys.executable, "-c", _CHILD, peer, str(proto), str(iters),
-                           str(threads)], cwd=ROOT, env=_env(threads), capture_output=True,
-                          text=True, timeout=1800)
+                           str(threads), str(-1 if gpu is None else gpu)], cwd=ROOT,
+                          env=_env(threads), capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"{peer} on {proto.name}: {done.stderr.strip().splitlines()[-1:]}")
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _child(peer: str, proto: Path, iters: int, threads: int,
+           gpu: int | None = None) -> tuple[float, str]:
+    out = _child_report(peer, proto, iters, threads, gpu)
     return float(out["ms"]), out["blas"]
 
 
@@ -142,35 +185,62 @@ def caffe_time(binary: str, proto: Path, iters: int, threads: int) -> tuple[floa
 
 
 def run(nets: list[str], repeats: int, iterations: int | None = None, threads: int = 1,
-        caffe: str | None = None, say: Callable[[str], None] = print) -> dict[str, Any]:
+        caffe: str | None = None, say: Callable[[str], None] = print,
+        gpu: int | None = None) -> dict[str, Any]:
     """Time ``nets`` on every available peer, alternating; returns the JSON report."""
     peers = ["poseidon"] + (["caffe"] if caffe else []) + (["torch"] if torch_available() else [])
     results: dict[str, Any] = {}
     blas: dict[str, str] = {}
+    protos: dict[str, Path] = {}
     with tempfile.TemporaryDirectory(prefix="poseidon-bench-") as tmp:
         for name in nets:
-            proto = write_net(name, Path(tmp))
-            iters = iterations or NETS[name].iterations
+            batch = NETS[name].gpu_batch if gpu is not None else NETS[name].batch
+            protos[name] = proto = write_net(name, Path(tmp), batch)
+            iters = iterations or (GPU_ITERATIONS if gpu is not None else NETS[name].iterations)
             runs: dict[str, list[float]] = {p: [] for p in peers}
             for _ in range(repeats):
                 for peer in peers:  # alternate
                     ms, blas[peer] = (caffe_time(caffe, proto, iters, threads) if peer == "caffe"
-                                      else _child(peer, proto, iters, threads))
+                                      else _child(peer, proto, iters, threads, gpu))
                     runs[peer].append(ms)
-            results[name] = _summary(name, runs, iters, threads, say)
-    return {"threads": threads, "peers": peers, "blas": blas, "nets": results}
+            results[name] = _summary(name, batch, runs, iters, threads, say, gpu is None)
+        report: dict[str, Any] = {"threads": threads, "gpu": gpu, "peers": peers, "blas": blas,
+                                  "nets": results}
+        compared = [n for n in results if "ratio_vs_torch" in results[n]]
+        if gpu is not None and compared:
+            worst = max(compared, key=lambda n: results[n]["ratio_vs_torch"])
+            layers = _child_report("poseidon-layers", protos[worst],
+                                   iterations or GPU_ITERATIONS, threads, gpu)["layers"]
+            report["worst"] = {"net": worst, "layers": layers}
+            _say_layers(worst, layers, say)
+    return report
 
 
-def _summary(name: str, runs: dict[str, list[float]], iters: int, threads: int,
-             say: Callable[[str], None]) -> dict[str, Any]:
+def _say_layers(name: str, layers: list[dict[str, Any]], say: Callable[[str], None]) -> None:
+    """Where the net furthest from PyTorch spends its time, by layer type and by layer."""
+    cost = [(l, l["forward_ms"] + l["backward_ms"]) for l in layers]
+    total = sum(ms for _, ms in cost) or 1.0
+    by_type: dict[str, float] = {}
+    for l, ms in cost:
+        by_type[l["type"]] = by_type.get(l["type"], 0.0) + ms
+    say(f"{name}, furthest from PyTorch, synchronised after each layer: {total:.2f} ms; "
+        + ", ".join(f"{t} {ms:.2f} ms ({ms / total:.0%})"
+                    for t, ms in sorted(by_type.items(), key=lambda kv: -kv[1])[:6]))
+    for l, _ in sorted(cost, key=lambda c: -c[1])[:12]:
+        say(f"  {l['name']:24} {l['type']:14} forward {l['forward_ms']:8.3f} ms   "
+            f"backward {l['backward_ms']:8.3f} ms")
+
+
+def _summary(name: str, batch: int, runs: dict[str, list[float]], iters: int, threads: int,
+             say: Callable[[str], None], cpu: bool = True) -> dict[str, Any]:
     med = {p: statistics.median(v) for p, v in runs.items()}
-    res: dict[str, Any] = {"batch": NETS[name].batch, "iterations": iters, "runs_ms": runs,
+    res: dict[str, Any] = {"batch": batch, "iterations": iters, "runs_ms": runs,
                            "median_ms": med}
-    line = f"{name:14} poseidon {med['poseidon']:9.2f} ms"
+    line = f"{name:14} b{batch:<4} poseidon {med['poseidon']:9.2f} ms"
     if "caffe" in med:
         res["ratio_vs_caffe"] = med["poseidon"] / med["caffe"]
         line += f"   caffe {med['caffe']:9.2f} ms ({res['ratio_vs_caffe']:.2f}x)"
-    elif threads in NETS[name].recorded_caffe_ms:
+    elif cpu and threads in NETS[name].recorded_caffe_ms:
         rec = NETS[name].recorded_caffe_ms[threads]
         res["recorded_caffe_ms"] = rec
         line += f"   caffe {rec:9.2f} ms RECORDED, not this run ({med['poseidon'] / rec:.2f}x)"

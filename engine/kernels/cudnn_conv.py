@@ -1,0 +1,254 @@
+"""Convolutions through cuDNN's graph API: Caffe's `engine: CUDNN`, for CuPy arrays.
+
+CuPy 14 dropped its cuDNN bindings, so the GPU's convolutions reach cuDNN through NVIDIA's
+Python frontend (the ``cudnn`` package of ``nvidia-cudnn-frontend``), which loads the
+libcudnn that PyTorch's or CUDA's wheels installed. One operation graph per direction:
+
+- ``fprop``: image (n, C, H, W) * filter (K, C/group, kh, kw) -> grid (n, K, oh, ow)
+- ``dgrad``: grid, filter -> image (the transposed convolution)
+- ``wgrad``: image, grid -> filter
+
+Convolution runs fprop forward and dgrad + wgrad backward; Deconvolution (the transpose) runs
+dgrad forward and fprop + wgrad backward, its top being the image side. The graphs are built
+once per shape and cached for the process (a net's layers of equal shape share them); of the
+plans cuDNN's heuristics offer, the fastest (timed when the graph is built) is kept (as PyTorch's
+cudnn.benchmark does); workspaces come from CuPy's memory pool; they run on CuPy's current
+stream.
+
+Numerics: Caffe's, float32 in and float32 accumulation. Engines that down-convert inputs
+(TF32 tensor cores: 10-bit mantissas) or are non-deterministic (atomics in wgrad) are
+deselected, so a plan computes the same bits every time and agrees with the NumPy path to
+float32 rounding. Where cuDNN has no engine for a shape, the layer keeps im2col and says so
+once.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from .geometry import Geometry
+
+_lock = threading.Lock()
+_module: Any = None
+_import_error: str | None = None
+_handles: dict[int, Any] = {}
+#: plans tried per graph (the heuristics' first ones) and runs timed of each
+MAX_CANDIDATES = 8
+TIMED_RUNS = 3
+_graphs: dict[tuple, "_Graph | Exception"] = {}
+
+
+def _cudnn() -> Any:
+    """The frontend module, imported once; None with the reason kept when it is missing."""
+    global _module, _import_error
+    if _module is None and _import_error is None:
+        try:
+            import cudnn  # type: ignore
+            cudnn.backend_version()  # loads libcudnn: fails here, not in the first layer
+            _module = cudnn
+        except Exception as e:  # absent package, or no libcudnn beside it
+            _import_error = f"{type(e).__name__}: {e}"
+    return _module
+
+
+def available() -> bool:
+    """True when cuDNN's frontend imports and finds libcudnn."""
+    return _cudnn() is not None
+
+
+def unavailable_reason() -> str:
+    _cudnn()
+    return _import_error or ""
+
+
+def version() -> str:
+    """cuDNN's library and frontend versions, for timing reports."""
+    cudnn = _cudnn()
+    if cudnn is None:
+        return "no cuDNN (pip install nvidia-cudnn-frontend)"
+    return f"cuDNN {cudnn.backend_version()} (frontend {getattr(cudnn, '__version__', '?')})"
+
+
+def _handle(cudnn: Any, cupy: Any) -> Any:
+    device = cupy.cuda.Device().id
+    with _lock:
+        if device not in _handles:
+            _handles[device] = cudnn.create_handle()
+    handle = _handles[device]
+    cudnn.set_stream(handle=handle, stream=cupy.cuda.get_current_stream().ptr)
+    return handle
+
+
+def _packed(shape: tuple[int, ...]) -> list[int]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return strides[::-1]
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """One convolution's three tensor shapes, image side and grid side as cuDNN sees them."""
+
+    image: tuple[int, int, int, int]
+    grid: tuple[int, int, int, int]
+    filter: tuple[int, int, int, int]
+    pad: tuple[int, int]
+    stride: tuple[int, int]
+    dilation: tuple[int, int]
+
+
+class _Graph:
+    """One operation graph: its tensors by role, its built plans, and the one it runs."""
+
+    def __init__(self, direction: str, s: Shapes) -> None:
+        import cupy
+        cudnn = _cudnn()
+        f32 = cudnn.data_type.FLOAT
+        graph = cudnn.pygraph(io_data_type=f32, intermediate_data_type=f32,
+                              compute_data_type=f32, handle=_handle(cudnn, cupy))
+
+        def tensor(name: str, shape: tuple[int, ...]) -> Any:
+            return graph.tensor(name=name, dim=list(shape), stride=_packed(shape), data_type=f32)
+
+        window = dict(pre_padding=list(s.pad), post_padding=list(s.pad), stride=list(s.stride),
+                      dilation=list(s.dilation), compute_data_type=f32)
+        if direction == "fprop":
+            in_shapes = (s.image, s.filter)
+            self.a, self.b = tensor("image", s.image), tensor("filter", s.filter)
+            out, out_shape = graph.conv_fprop(image=self.a, weight=self.b, **window), s.grid
+        elif direction == "dgrad":
+            in_shapes = (s.grid, s.filter)
+            self.a, self.b = tensor("grid", s.grid), tensor("filter", s.filter)
+            out, out_shape = graph.conv_dgrad(loss=self.a, filter=self.b, **window), s.image
+        else:
+            in_shapes = (s.image, s.grid)
+            self.a, self.b = tensor("image", s.image), tensor("grid", s.grid)
+            out, out_shape = graph.conv_wgrad(image=self.a, loss=self.b, **window), s.filter
+        out.set_output(True).set_data_type(f32).set_dim(list(out_shape)).set_stride(
+            _packed(out_shape))
+        self.out = out
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.deselect_numeric_notes([cudnn.numerical_note.NONDETERMINISTIC,
+                                      cudnn.numerical_note.TENSOR_CORE,
+                                      cudnn.numerical_note.DOWN_CONVERT_INPUTS])
+        graph.check_support()
+        self.graph = graph
+        #: the plans built, in the heuristics' order, and their workspaces
+        self.candidates: list[tuple[int, int]] = []
+        for i in range(min(int(graph.get_execution_plan_count()), MAX_CANDIDATES)):
+            try:
+                graph.build_plan_at_index(i)
+                self.candidates.append((i, int(graph.get_workspace_size_plan_at_index(i))))
+            except Exception:  # an engine the heuristics listed but this shape cannot use
+                continue
+        if not self.candidates:
+            raise RuntimeError(f"no cuDNN engine for {direction} of {s}")
+        # chosen here, on scratch operands, so that a plan that cannot run fails while the
+        # layer can still keep im2col
+        scratch = [cupy.zeros(shape, dtype=cupy.float32) for shape in (*in_shapes, out_shape)]
+        self.chosen = self._fastest(self._pack(*scratch))
+
+    def _pack(self, a: Any, b: Any, out: Any) -> dict:
+        return {self.a: a.data.ptr, self.b: b.data.ptr, self.out: out.data.ptr}
+
+    def run(self, a: Any, b: Any, out: Any) -> None:
+        for arr in (a, b, out):
+            if not arr.flags.c_contiguous:
+                raise ValueError("cuDNN convolution operands must be C-contiguous")
+        self._execute(self._pack(a, b, out), *self.chosen)
+
+    def _execute(self, pack: dict, index: int, workspace: int) -> None:
+        import cupy
+        ws = cupy.empty(workspace, dtype=cupy.uint8)
+        self.graph.execute_plan_at_index(pack, ws.data.ptr, index,
+                                         handle=_handle(_cudnn(), cupy))
+
+    def _fastest(self, pack: dict) -> tuple[int, int]:
+        """cudnn.benchmark's choice, made once per shape: each candidate timed, and the
+        heuristics' earliest within 10% of the fastest taken, so timing noise rarely changes
+        the choice (another plan sums in another order)."""
+        import cupy
+        times = []
+        for index, workspace in self.candidates:
+            self._execute(pack, index, workspace)  # warm-up (and lazy module loads)
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            for _ in range(TIMED_RUNS):
+                self._execute(pack, index, workspace)
+            stop.record()
+            stop.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, stop))
+        best = min(times)
+        return next(c for c, t in zip(self.candidates, times) if t <= best * 1.1)
+
+
+def _graph(direction: str, shapes: Shapes) -> _Graph:
+    import cupy
+    key = (cupy.cuda.Device().id, direction, shapes)
+    with _lock:
+        built = _graphs.get(key)
+    if built is None:
+        try:
+            built = _Graph(direction, shapes)
+        except Exception as e:  # kept: a layer reshaped every iteration does not rebuild
+            built = e
+        with _lock:
+            _graphs[key] = built
+    if isinstance(built, Exception):
+        raise built
+    return built
+
+
+def suits(dtype: Any) -> bool:
+    """cuDNN takes this layer: float32 data and the frontend present (float64 keeps im2col,
+    which the gradient checks use)."""
+    import numpy as np
+    return np.dtype(dtype) == np.float32 and available()
+
+
+class Plan:
+    """A convolution (or, ``transposed``, a deconvolution) layer's three cuDNN graphs.
+
+    ``geometry`` is the layer's im2col geometry: ``channels``/``height``/``width`` the image
+    side, ``out_h``/``out_w`` the grid; ``grid_channels`` the other side's channel count.
+    Built eagerly, so a shape cuDNN cannot run fails at reshape (the caller falls back).
+    """
+
+    def __init__(self, geometry: Geometry, grid_channels: int, group: int, images: int,
+                 transposed: bool = False) -> None:
+        g = geometry
+        self.transposed = transposed
+        self.shapes = Shapes(
+            image=(images, g.channels, g.height, g.width),
+            grid=(images, grid_channels, g.out_h, g.out_w),
+            filter=(grid_channels, g.channels // group, g.kernel_h, g.kernel_w),
+            pad=(g.pad_h, g.pad_w), stride=(g.stride_h, g.stride_w),
+            dilation=(g.dilation_h, g.dilation_w))
+        self.fprop = _graph("fprop", self.shapes)
+        self.dgrad = _graph("dgrad", self.shapes)
+        self.wgrad = _graph("wgrad", self.shapes)
+
+    def forward(self, x: Any, w: Any, y: Any) -> None:
+        """y = the layer's output (bias not added)."""
+        if self.transposed:
+            self.dgrad.run(x, w, y)
+        else:
+            self.fprop.run(x, w, y)
+
+    def backward(self, dy: Any, x: Any, w: Any, dw: Any | None, dx: Any | None) -> None:
+        """dw (the filter's shape) += the weight gradient; dx = the bottom's gradient."""
+        import cupy
+        if dx is not None:
+            (self.fprop if self.transposed else self.dgrad).run(dy, w, dx)
+        if dw is not None:
+            grad = cupy.empty(self.shapes.filter, dtype=dw.dtype)
+            if self.transposed:
+                self.wgrad.run(dy, x, grad)
+            else:
+                self.wgrad.run(x, dy, grad)
+            dw += grad.reshape(dw.shape)
