@@ -58,7 +58,9 @@ class GradientSync(Protocol):
         """A signal asked this process for ``action`` ('snapshot' or 'stop')."""
 
     def take_request(self) -> str | None:
-        """The action every process agreed to take now, at this iteration boundary."""
+        """The action every process agreed to take now, at this iteration boundary: 'snapshot',
+        'stop' (snapshot, then stop), or 'end' (stop here without a snapshot: the caller goes
+        on from a state it keeps itself, as elastic training's commit)."""
 
     def close(self) -> None:
         """Stop the communication threads."""
@@ -192,6 +194,8 @@ class Solver:
         #: the newest snapshot of this run (written, or resumed from); None before any
         self.last_snapshot: Path | None = None
         self._early_exit = False
+        #: the sync ended the run at a boundary ('end'): no snapshot, no final test
+        self._ended = False
         self._callbacks: list[Any] = []
         for w in param.weights:
             self.load_weights(self._resolve(w))
@@ -513,8 +517,9 @@ class Solver:
             request = self._take_request()
             if (p.snapshot and self.iter % p.snapshot == 0) or request == "snapshot":
                 self.snapshot()
-            if request == "stop":
+            if request in ("stop", "end"):
                 self._early_exit = True
+                self._ended = request == "end"
                 break
 
     def _log_outputs(self) -> None:
@@ -531,6 +536,7 @@ class Solver:
         glog.info(f"Solving {self.net.name}")
         glog.info(f"Learning Rate Policy: {p.lr_policy}")
         self._early_exit = False
+        self._ended = False
         if resume_file is not None:
             glog.info(f"Restoring previous solver status from {resume_file}")
             self.restore(resume_file)
@@ -538,6 +544,8 @@ class Solver:
         self._call("on_start")
         try:
             self.step(p.max_iter - self.iter)
+            if self._ended:  # the caller ends the run here and keeps the state itself
+                return
             self.wait_all()
             # a stop request (SIGINT) snapshots even when snapshot_after_train is off
             if (p.snapshot_after_train or self._early_exit) and \
@@ -572,6 +580,7 @@ class Solver:
                 self.snapshot()
             else:
                 self._early_exit = True
+                self._ended = request == "end"
         return self._early_exit
 
     def test(self, test_net_id: int = 0) -> TestResult | None:
@@ -619,6 +628,39 @@ class Solver:
         return snapshots.solver_state(self.iter, self.current_step, self.history,
                                       [layer.position() for layer in self.net.data_layers],
                                       self.sync_state(), learned_net)
+
+    def commit(self, into: snapshots.Commit | None = None) -> snapshots.Commit:
+        """The state a snapshot at this iteration would write, copied in memory (elastic
+        training's commit), into the arrays of ``into`` (a commit no longer needed) where they
+        fit; waits for every update in flight first."""
+        self.wait_all()
+        return snapshots.take_commit(self.net, self.history, self.iter, self.current_step,
+                                     [layer.position() for layer in self.net.data_layers],
+                                     self.sync_state(), into)
+
+    def state_arrays(self) -> list[Any]:
+        """The live arrays a commit holds copies of, in its order (weights, then history)."""
+        return snapshots.state_arrays(self.net, self.history)[0]
+
+    def restore_commit(self, commit: snapshots.Commit) -> None:
+        """Go on from ``commit`` exactly as from the snapshot it would have written."""
+        snapshots.apply_commit(commit, self.net, self.history, f"solver {self.source}")
+        self.iter = commit.iter
+        self.current_step = commit.current_step
+        for layer, pos in zip(self.net.data_layers, commit.data_positions):
+            layer.seek(int(pos))
+
+    def write_commit(self, commit: snapshots.Commit) -> Path:
+        """Write ``commit`` to disk as the Caffe snapshot of its iteration, whatever this
+        process's rank (the commit of a job that must stop); returns the solverstate's path."""
+        self.restore_commit(commit)
+        model, state_path = self.snapshot_paths()
+        state = snapshots.solver_state(commit.iter, commit.current_step, self.history,
+                                       commit.data_positions, commit.sync_state)
+        snapshots.write_snapshot(self.net, state, model, state_path, self.param.snapshot_diff,
+                                 self.last_snapshot)
+        self.last_snapshot = state_path
+        return state_path
 
     def restore(self, path: str | Path) -> None:
         """Load a .solverstate (binary, or HDF5 by its .h5 suffix) and the weights it names."""

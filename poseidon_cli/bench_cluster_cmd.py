@@ -43,7 +43,7 @@ def cluster(solver: str, workers: str, schemes: str, bandwidth: str, compute: st
             json_path: str | None, plot: str | None) -> None:
     """Real workers in network namespaces over shaped links, next to `simulate`'s prediction."""
     from engine.comm.link import parse_bandwidth
-    from engine.perf.netns import ClusterError, check_root, cleanup_stale
+    from engine.perf.netns import ClusterError
 
     from .benches import cluster as bench
 
@@ -52,11 +52,7 @@ def cluster(solver: str, workers: str, schemes: str, bandwidth: str, compute: st
     if iters < 2 or warmup < 1:
         fail("--iters must be at least 2 and --warmup at least 1")
     with user_errors():
-        try:
-            check_root()
-        except ClusterError as e:
-            fail(str(e))
-        cleanup_stale()
+        namespaces_or_fail()
         counts = parse_workers(workers)
         wanted = [s.strip() for s in schemes.split(",") if s.strip()]
         bits = parse_bandwidth(bandwidth)
@@ -101,6 +97,18 @@ def cluster(solver: str, workers: str, schemes: str, bandwidth: str, compute: st
                                           f"compute {compute}"):
             click.echo(f"{NO_MATPLOTLIB}; {plot} was not written (the measurements above "
                        "stand)")
+
+
+def namespaces_or_fail() -> None:
+    """Root and iproute2, or one line saying what is missing; then remove what an emulated
+    cluster killed midway left behind."""
+    from engine.perf.netns import ClusterError, check_root, cleanup_stale
+
+    try:
+        check_root()
+    except ClusterError as e:
+        fail(str(e))
+    cleanup_stale()
 
 
 def _plot(rows: list, path: str, title: str) -> bool:

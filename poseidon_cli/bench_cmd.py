@@ -12,6 +12,7 @@ SUBCOMMANDS = {
     "cluster": "poseidon_cli.bench_cluster_cmd:cluster",
     "comm": "poseidon_cli.bench_comm_cmd:comm",
     "data": "poseidon_cli.bench_data_cmd:data",
+    "elastic": "poseidon_cli.bench_elastic_cmd:elastic",
     "shard": "poseidon_cli.bench_shard_cmd:shard",
     "time": "poseidon_cli.bench_time_cmd:time_cmd",
     "train": "poseidon_cli.bench_train_cmd:train",

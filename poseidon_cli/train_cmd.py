@@ -10,6 +10,7 @@ import click
 from .console import fail, user_errors
 # SIGNAL_ACTIONS: Caffe's -sigint_effect / -sighup_effect values
 from .launch.config import SIGNAL_ACTIONS, JobConfig, cli_options
+from .launch.elastic.start import elastic_options, take_options
 
 
 def parse_gpus(text: str) -> list[int]:
@@ -94,11 +95,14 @@ def job_options(command: Any) -> Any:
 @click.option("--sighup-effect", type=click.Choice(SIGNAL_ACTIONS), default="snapshot",
               show_default=True, help="What SIGHUP does (Caffe's flag).")
 @job_options
+@elastic_options
 def train(solver: str, weights: str | None, gpu: str | None, pin: str | None, hosts: str | None,
           host_list: str | None, nproc: int | None, rank: int | None, sparse: float | None,
           sparse_warmup: int | None, momentum_correction: bool | None, launch: str,
           sigint_effect: str, sighup_effect: str, **options: Any) -> None:
     """Train a net from a Caffe solver, with Caffe's log lines and snapshots."""
+    with user_errors():
+        elastic = take_options(options)
     snapshot, plan_file = options["snapshot"], options["plan"]
     if weights and snapshot:
         fail("give --weights (fine-tune) or --snapshot (resume), not both")
@@ -122,10 +126,13 @@ def train(solver: str, weights: str | None, gpu: str | None, pin: str | None, ho
         fail("-n starts local workers on free ports: give -n or --hosts/--rank, not both")
     pinned = tuple(gpus or ()) if pin is not None else None
     from .launch.managers import place_run
-    with user_errors():
-        managed, nproc = place_run(os.environ, hosts, host_list, nproc, rank, pinned)
+    if elastic is not None and rank is not None:
+        fail("--rank places a worker in a fixed table; an elastic job's driver gives ranks")
+    with user_errors():  # an elastic job's driver gives the ranks, not a manager's variables
+        managed, nproc = place_run({} if elastic else os.environ, hosts, host_list, nproc,
+                                   rank, pinned)
     distributed = hosts is not None or host_list is not None or nproc is not None or \
-        managed is not None
+        managed is not None or elastic is not None
     if not distributed:
         for given, flag, why in ((sparse, "--sparse", "compresses the gradients workers "
                                   "exchange"),
@@ -141,7 +148,8 @@ def train(solver: str, weights: str | None, gpu: str | None, pin: str | None, ho
         if gpus is not None and len(gpus) > 1:
             fail(f"--gpu {gpu}: one process trains on one GPU; give --hosts to train on several")
     source = "" if not distributed else hosts or (
-        f"-H {host_list}" if host_list else f"{managed.manager} job" if managed else f"-n {nproc}")
+        f"-H {host_list}" if host_list else f"{managed.manager} job" if managed else
+        f"-n {nproc}" if nproc else "elastic job")
     # SIGTERM (SLURM's and Kubernetes' notice before they kill) does what SIGINT does
     effects = {"SIGINT": sigint_effect, "SIGTERM": sigint_effect, "SIGHUP": sighup_effect}
     with user_errors():
@@ -151,7 +159,10 @@ def train(solver: str, weights: str | None, gpu: str | None, pin: str | None, ho
                            weights=tuple(weight_files),
                            gpus=tuple(gpus) if gpus is not None else None,
                            pin_gpus=pinned is not None, signal_effects=effects, **options)
-        if distributed:
+        if elastic is not None:
+            from .launch.elastic.start import start
+            start(config, elastic, hosts, host_list, nproc, launch)
+        elif distributed:
             from .launch import launcher
             launcher.start(config, managed, hosts, host_list, nproc, rank, launch)
         else:

@@ -24,7 +24,8 @@ from engine.comm.transport import Message, header, message_key
 from engine.pb import poseidon_pb2 as pb
 from poseidon_cli.benches.shard import SHARD0, push, synthetic_worker, take_sums
 from poseidon_cli.launch.config import JobConfig
-from poseidon_cli.launch.shard import shard_command
+from poseidon_cli.launch.hostfile import parse_hosts_text
+from poseidon_cli.launch.shard import ShardSettings, read_settings
 from tests.test_comm_train import digits_db, poseidon, weights, write_hosts, write_run  # noqa: F401
 from tests.test_comm_transport import KEY, local_hosts
 
@@ -284,11 +285,13 @@ def test_training_sums_the_same_bits_with_any_number_of_shard_threads(digits_db,
 
 
 def test_the_shard_threads_travel_from_the_command_line_to_the_shard():
+    hosts = parse_hosts_text("127.0.0.1:9000 slots=2")
     config = JobConfig("s.prototxt", "h.txt", shard_threads=3)
     assert JobConfig.from_json(config.to_json()).shard_threads == 3
     assert JobConfig("s", "h").shard_threads == DEFAULT_THREADS
-    cmd = shard_command(1, 30.0, 1 << 20, config.shard_threads)
-    assert cmd[cmd.index("--threads") + 1] == "3"
+    line = ShardSettings(1, 30.0, 1 << 20, config.shard_threads).line(b"k" * 32, hosts)
+    settings, key, entries = read_settings(line.decode())
+    assert settings.threads == 3 and key == b"k" * 32 and entries == hosts
     with pytest.raises(CommError, match="--shard-threads must be >= 0, got -1"):
         JobConfig("s", "h", shard_threads=-1)
     with pytest.raises(CommError, match="'shard_threads' has the wrong type"):

@@ -55,8 +55,11 @@ from .units import LayerSlot, ParamSlot, Unit
 
 log = logging.getLogger("poseidon.comm")
 
-#: what a signal asks for, as bits on the wire (Header.request)
-REQUEST_BITS = {"snapshot": pb.REQUEST_SNAPSHOT, "stop": pb.REQUEST_STOP}
+#: what a signal asks for, as bits on the wire (Header.request); 'leave': an elastic worker's
+#: notice that it goes (every worker ends the generation at the same boundary)
+REQUEST_BITS = {"snapshot": pb.REQUEST_SNAPSHOT, "stop": pb.REQUEST_STOP,
+                "leave": pb.REQUEST_LEAVE}
+_SIGNAL_BITS = pb.REQUEST_SNAPSHOT | pb.REQUEST_STOP | pb.REQUEST_LEAVE
 
 __all__ = ["LayerSlot", "ParamSlot", "Syncer", "open_worker", "frame_limit", "REQUEST_BITS"]
 
@@ -251,26 +254,31 @@ class Syncer:
             self.wait(layer)
 
     def request(self, action: str) -> None:
-        """A signal asked this worker for ``action`` ('snapshot' or 'stop'): tell every worker
-        through the next round's messages. Called from a signal handler, which runs on the
-        training thread: no lock (that thread may hold it), and only that thread touches
-        ``_request_out``."""
+        """A signal asked this worker for ``action`` ('snapshot', 'stop' or 'leave'): tell
+        every worker through the next round's messages. Called from a signal handler, which
+        runs on the training thread: no lock (that thread may hold it), and only that thread
+        touches ``_request_out``."""
         self._request_out |= REQUEST_BITS[action]
 
-    def take_request(self) -> str | None:
-        """The action every worker agreed on, or None. Called by the solver at an iteration
-        boundary, after it released round R-1: rounds before R-1 are complete on every worker
-        (each of their layers was waited for in the last forward), so every worker gets the same
-        answer at the same iteration."""
+    def take_agreed(self) -> set[str]:
+        """Every action the workers asked for that all of them see now ('snapshot', 'stop',
+        'leave'). Called at an iteration boundary, after this worker released round R-1: rounds
+        before R-1 are complete on every worker (each of their layers was waited for in the
+        last forward), so every worker gets the same answer at the same iteration."""
         with self._cond:
             complete = min(self._released.values(), default=0) - 1
             bits = 0
             for rnd in range(self._requests_taken, complete):
                 bits |= self._round_requests.pop(rnd, 0)
             self._requests_taken = max(self._requests_taken, complete)
-        if bits & pb.REQUEST_STOP:
+        return {action for action, bit in REQUEST_BITS.items() if bits & bit}
+
+    def take_request(self) -> str | None:
+        """The solver's action at this boundary (``take_agreed``): stop, else snapshot."""
+        agreed = self.take_agreed()
+        if "stop" in agreed:
             return "stop"
-        return "snapshot" if bits & pb.REQUEST_SNAPSHOT else None
+        return "snapshot" if "snapshot" in agreed else None
 
     def state(self) -> bytes:
         """The plan every worker follows, for a snapshot: a resumed run with the same workers
@@ -354,7 +362,7 @@ class Syncer:
         if tl.active:
             tl.complete(f"update {unit.name}", "update", start, {"round": rnd})
         with self._cond:
-            request = bits & (pb.REQUEST_SNAPSHOT | pb.REQUEST_STOP)
+            request = bits & _SIGNAL_BITS
             if request:
                 self._round_requests[rnd] = self._round_requests.get(rnd, 0) | request
             for slot in unit.layers:

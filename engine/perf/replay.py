@@ -14,6 +14,7 @@ measures speed, not accuracy.
 """
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -83,8 +84,11 @@ class ReplayFactorLayer(ReplayLayer, SufficientFactors):
         self._layer.remember_factors(top, bottom)
 
 
+@functools.lru_cache(maxsize=4)
 def replay_solver_param(solver: str | Path) -> caffe_pb2.SolverParameter:
-    """The solver with its training net inline, data layers as Inputs, and no testing."""
+    """The solver with its training net inline, data layers as Inputs, and no testing. Kept
+    for the process (an elastic worker builds its solver again for every generation, and this
+    builds a net to find the inputs' shapes); the Solver copies it, nothing changes it."""
     from engine.caffe_io import read_solver_prototxt
 
     path = Path(solver)

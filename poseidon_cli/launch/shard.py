@@ -2,52 +2,115 @@
 
 Its worker starts it and it lives and ends with that worker: it ignores SIGINT, SIGTERM and
 SIGHUP (the worker acts on those, and needs its shard to snapshot or stop at the agreed
-iteration), and ends when its peers say BYE or go silent. The job key comes in
-$POSEIDON_JOB_KEY, which its worker sets (never on the command line), and the host table as
-one line of JSON on its standard input.
+iteration), and ends when its peers say BYE or go silent. Everything it needs comes as one
+line of JSON on its standard input (``ShardSettings``: its index, the host table, the job key
+and its limits), never on the command line; it reads that line only once its imports are done,
+so a worker may start it ahead of time (``ShardStarter.prepare``: an elastic worker needs a new
+shard for every generation, and the imports would take a second or two of a recovery).
 """
 from __future__ import annotations
 
-import argparse
-import os
+import json
 import signal
+import subprocess
 import sys
+from dataclasses import asdict, dataclass
+from typing import Sequence
 
-from engine.comm.auth import KEY_ENV, job_key, key_hex
+from engine.comm.auth import key_hex, parse_key
 from engine.comm.errors import CommError
-from engine.comm.hosts import HostEntry, table_from_json
-from engine.comm.shard import DEFAULT_THREADS
+from engine.comm.hosts import HostEntry, check_fields, table_from_rows, table_rows
 
 #: after a fatal error, a process still busy computing is stopped this many seconds later
 EXIT_GRACE_S = 2.0
 
 
-def shard_command(index: int, timeout: float, max_frame_bytes: int, threads: int,
-                  timeline: str | None = None) -> list[str]:
-    """The shard's command line; its worker writes the host table to its standard input.
-    ``threads``: the shard's summing threads (0: on its receive thread)."""
-    cmd = [sys.executable, "-m", "poseidon_cli.launch.shard", "--index", str(index),
-           "--timeout", f"{timeout:g}", "--max-frame-bytes", str(max_frame_bytes),
-           "--threads", str(threads)]
-    return cmd + (["--timeline", timeline] if timeline else [])
+@dataclass(frozen=True)
+class ShardSettings:
+    """What a shard process is told on its standard input (with the key and the table)."""
+    index: int
+    timeout: float
+    max_frame_bytes: int
+    #: summing threads (0: on its receive thread)
+    threads: int
+    timeline: str | None = None
+
+    def line(self, key: bytes, entries: Sequence[HostEntry]) -> bytes:
+        return (json.dumps({**asdict(self), "key": key_hex(key), "hosts": table_rows(entries)},
+                           separators=(",", ":")) + "\n").encode()
 
 
-def shard_env(key: bytes) -> dict[str, str]:
-    return {**os.environ, KEY_ENV: key_hex(key)}
+def read_settings(text: str) -> tuple[ShardSettings, bytes, list[HostEntry]]:
+    """The settings, key and table of a shard's input line, every field checked."""
+    where = "the shard's settings on standard input"
+    try:
+        d = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CommError(f"{where}: not JSON ({e})") from None
+    timeline = d.pop("timeline", "missing") if isinstance(d, dict) else None
+    timeout = d.pop("timeout", "missing") if isinstance(d, dict) else None
+    check_fields(d, {"index": int, "max_frame_bytes": int, "threads": int, "key": str,
+                     "hosts": list}, where)
+    if not (timeline is None or isinstance(timeline, str)) or not (
+            isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
+        raise CommError(f"{where}: 'timeline' or 'timeout' has the wrong type")
+    entries = table_from_rows(d["hosts"], where)
+    if d["index"] >= len(entries):
+        raise CommError(f"shard {d['index']}: the table lists {len(entries)} workers")
+    return (ShardSettings(d["index"], float(timeout), d["max_frame_bytes"], d["threads"],
+                          timeline), parse_key(d["key"], where), entries)
 
 
-def run_shard(index: int, entries: list[HostEntry], timeout: float,
-              max_frame_bytes: int | None, threads: int, timeline: str | None = None) -> int:
+def shard_command() -> list[str]:
+    return [sys.executable, "-m", "poseidon_cli.launch.shard"]
+
+
+class ShardStarter:
+    """Starts a worker's shard processes: the one ``prepare`` started ahead when there is one
+    (it has done its imports), else a new one."""
+
+    def __init__(self) -> None:
+        self._ready: subprocess.Popen | None = None
+
+    def _spawn(self) -> subprocess.Popen:
+        return subprocess.Popen(shard_command(), stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def prepare(self) -> None:
+        """Start the next shard now, to wait for its settings (an elastic worker calls it once
+        a generation trains, so the imports do not compete with the next one's start)."""
+        if self._ready is None or self._ready.poll() is not None:
+            self._ready = self._spawn()
+
+    def start(self, settings: ShardSettings, key: bytes,
+              entries: Sequence[HostEntry]) -> subprocess.Popen:
+        proc = self._ready if self._ready is not None and self._ready.poll() is None \
+            else self._spawn()
+        self._ready = None
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(settings.line(key, entries))
+            proc.stdin.close()
+        except BrokenPipeError:  # it died at once; its error line comes through the relay
+            pass
+        return proc
+
+    def close(self) -> None:
+        """Stop the shard started ahead, if any (it holds nothing yet)."""
+        if self._ready is not None and self._ready.poll() is None:
+            self._ready.kill()
+            self._ready.wait()
+        self._ready = None
+
+
+def run_shard(settings: ShardSettings, key: bytes, entries: list[HostEntry]) -> int:
     from engine.comm.shard import ShardServer
 
-    key = job_key(None)
-    if key is None:
-        raise CommError(f"shard {index}: no job key in ${KEY_ENV} (its worker sets it)")
-    if timeline is not None:
+    if settings.timeline is not None:
         from engine import timeline as tl
-        tl.start(timeline, f"shard {index}", f"shard{index}")
-    srv = ShardServer(index, entries, key=key, timeout=timeout, exit_grace=EXIT_GRACE_S,
-                      max_frame_bytes=max_frame_bytes, threads=threads)
+        tl.start(settings.timeline, f"shard {settings.index}", f"shard{settings.index}")
+    srv = ShardServer(settings.index, entries, key=key, timeout=settings.timeout,
+                      exit_grace=EXIT_GRACE_S, max_frame_bytes=settings.max_frame_bytes,
+                      threads=settings.threads)
     try:
         srv.start()
         srv.serve()
@@ -58,29 +121,22 @@ def run_shard(index: int, entries: list[HostEntry], timeout: float,
         return 1
     finally:
         srv.close()
-        if timeline is not None:
+        if settings.timeline is not None:
             tl.current.save_part()
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m poseidon_cli.launch.shard")
-    ap.add_argument("--index", type=int, required=True)
-    ap.add_argument("--timeout", type=float, default=30.0)
-    ap.add_argument("--max-frame-bytes", type=int, default=None)
-    ap.add_argument("--timeline", default=None)
-    ap.add_argument("--threads", type=int, default=DEFAULT_THREADS,
-                    help="summing threads (0: on the receive thread)")
-    args = ap.parse_args(argv)
+def main() -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
         if sig is not None:
             signal.signal(sig, signal.SIG_IGN)
+    import engine.comm.shard  # noqa: F401 - before the settings come: a shard started ahead
     try:
-        entries = table_from_json(sys.stdin.readline(), "the host table on standard input")
-        if not 0 <= args.index < len(entries):
-            raise CommError(f"shard {args.index}: the table lists {len(entries)} workers")
-        return run_shard(args.index, entries, args.timeout, args.max_frame_bytes,
-                         args.threads, args.timeline)
+        line = sys.stdin.readline()
+        if not line:
+            return 0  # started ahead and never needed
+        settings, key, entries = read_settings(line)
+        return run_shard(settings, key, entries)
     except CommError as e:
         print(f"poseidon: error: {e}", file=sys.stderr)
         return 1

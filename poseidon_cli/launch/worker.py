@@ -6,30 +6,29 @@ trains with the DWBP syncer attached, and finally says BYE. The launcher starts 
 ``python -m poseidon_cli.launch.worker --rank N [--gpu G] --config JSON`` with the host table on
 its standard input (a PyTorchJob pod starts it without ``--rank``: it meets the others at the
 rendezvous); a worker started by hand (`poseidon train ... --rank N`) or by a cluster manager
-(`srun poseidon train ...`) runs ``run_worker`` in the CLI's process. Its shard gets the table
-on its standard input too.
+(`srun poseidon train ...`) runs ``run_worker`` in the CLI's process. Its shard gets its
+settings, the table and the key on its standard input (shard.py).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import os
-import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 # (the package poseidon_cli, imported first, sets one BLAS thread before NumPy loads: a worker
 # started over ssh does not inherit the launcher's environment)
 from engine.comm.errors import CommError
-from engine.comm.hosts import HostEntry, is_local, local_addresses, table_json, table_from_json
+from engine.comm.hosts import HostEntry, is_local, local_addresses, table_from_json
 
 from ..console import user_errors
 from ..training import train_process
 from .config import JobConfig, require_key
 from .managers import Placement, detect
 from .relay import ErrorRelay
-from .shard import EXIT_GRACE_S, shard_command, shard_env
+from .shard import EXIT_GRACE_S, ShardSettings, ShardStarter
 
 def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int | None) -> None:
     """Train as worker ``rank`` of ``entries`` on ``gpu`` (None: the CPU)."""
@@ -50,10 +49,20 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
 
 @contextlib.contextmanager
 def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int | None,
-                 key: bytes, solver: Any) -> Iterator[None]:
+                 key: bytes, solver: Any, exit_grace: float | None = EXIT_GRACE_S,
+                 on_endpoint: Callable[[Any], None] | None = None,
+                 wrap_sync: Callable[[Any, Any], Any] | None = None,
+                 shards: ShardStarter | None = None) -> Iterator[None]:
     """A worker's side of the job around its training: its PS shard (a child process), its
     endpoint, the start-up barrier and the plan, the syncer attached to ``solver``; on the way
-    out, the last updates, the replica check and BYE, the shard's end and the counters."""
+    out, the last updates, the replica check and BYE, the shard's end and the counters.
+
+    An elastic generation plugs in: ``exit_grace`` None (a failure must not end the process:
+    it goes on to the next generation), ``on_endpoint(ep)`` once the endpoint is open (the
+    driver can fail it from then on), ``wrap_sync(ep, syncer)`` after the start-up barrier:
+    what to attach instead of the syncer (its boundaries), and its plan is never refused: a
+    --plan that does not fit this generation's workers is replaced, saying why; ``shards``
+    starts each generation's shard ahead of time."""
     from engine import glog
     from engine.comm.bind import describe_net
     from engine.comm.link import LinkError, parse_link
@@ -83,8 +92,8 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
 
     allow_sfb = solver.param.iter_size == 1
     # rank 0 plans; a plan to follow is read and checked before anyone waits for it
-    pinned = recorded_plan(config, infos, entries, allow_sfb, gpu is not None, momentum) \
-        if rank == 0 else None
+    pinned = recorded_plan(config, infos, entries, allow_sfb, gpu is not None, momentum,
+                           strict=wrap_sync is None) if rank == 0 else None
 
     def planner(probed: Any, local: Any) -> Any:  # rank 0's: every worker follows it
         plan, why = pinned or (None, "")
@@ -118,15 +127,9 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
         return plan
 
     max_frame = frame_limit(slots, world, config.chunk_bytes)
-    shard = subprocess.Popen(shard_command(rank, config.timeout, max_frame, config.shard_threads,
-                                           config.timeline),
-                             stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=shard_env(key))
-    assert shard.stdin is not None
-    try:
-        shard.stdin.write((table_json(entries) + "\n").encode())
-        shard.stdin.close()
-    except BrokenPipeError:  # it died at once; its error line comes through the relay
-        pass
+    shard = (shards or ShardStarter()).start(
+        ShardSettings(rank, config.timeout, max_frame, config.shard_threads, config.timeline),
+        key, entries)
     shard_errors: list[str] = []
     ep = None
 
@@ -139,10 +142,12 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
     relay.watch(shard)
     try:
         ep = open_worker(rank, entries, key=key, timeout=config.timeout, stats=stats,
-                         exit_grace=EXIT_GRACE_S, max_frame_bytes=max_frame,
+                         exit_grace=exit_grace, max_frame_bytes=max_frame,
                          snapshot_hint=lambda: str(solver.last_snapshot or "none"))
         if shard_errors:
             ep.fatal(shard_errors[0])
+        if on_endpoint is not None:
+            on_endpoint(ep)
         display = solver.param.display
 
         def report(rnd: int) -> None:
@@ -154,7 +159,8 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
         sync = Syncer(ep, slots, solver.update_layer, planner=planner, link=link,
                       levels=config.levels, chunk_bytes=config.chunk_bytes,
                       priority=config.priority, on_round_done=report)
-        solver.attach_sync(sync, momentum_by_sync=sync.momentum_layers)
+        attached = wrap_sync(ep, sync) if wrap_sync is not None else sync
+        solver.attach_sync(attached, momentum_by_sync=sync.momentum_layers)
         try:
             yield
         except CommError:
@@ -203,10 +209,10 @@ def run_managed(config: JobConfig, placement: Placement) -> None:
 
 
 def recorded_plan(config: JobConfig, infos: list[Any], entries: list[Any], allow_sfb: bool,
-                  on_gpu: bool, momentum: float) -> tuple[Any, str] | None:
+                  on_gpu: bool, momentum: float, strict: bool = True) -> tuple[Any, str] | None:
     """Rank 0's plan to follow, and why, when the run has one: ``--plan``'s (a CommError when it
-    does not fit), else the resumed snapshot's where it fits (where not, one line says why and
-    the run plans anew). None: plan from the link."""
+    does not fit, unless not ``strict``), else the resumed snapshot's where it fits (where not,
+    one line says why and the run plans anew). None: plan from the link."""
     from engine import glog
     from engine.caffe_io import FormatError
     from engine.comm.plan_file import read_plan
@@ -229,7 +235,7 @@ def recorded_plan(config: JobConfig, infos: list[Any], entries: list[Any], allow
         plan = pin_plan(recorded, infos, len(entries),
                         plan_options(config, entries, allow_sfb, on_gpu, momentum))
     except PlanMismatch as e:
-        if config.plan:
+        if config.plan and strict:
             raise CommError(f"--plan {config.plan} does not fit this run: {e}") from None
         glog.info(f"The plan recorded in {source} does not fit this run ({e}): planning anew")
         return None

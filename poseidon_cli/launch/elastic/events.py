@@ -1,0 +1,76 @@
+"""What an elastic job says about its membership: one log line per event, and the counters.
+
+A generation is formed after one or more changes (a worker lost, one that left, one that came);
+once every worker of the new generation has its state and has met the others, one line says
+who left or came and why, the commit the job went on from, the iterations lost, the seconds it
+took and the new generation's batch and plan. Back-off and exclusion of a flapping worker are
+lines of their own. ``--stats`` gets the counts and every event (``as_dict``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass
+class EventLog:
+    say: Callable[[str], None]
+    #: the changes since the last generation formed, and when the first was seen
+    changes: list[str] = field(default_factory=list)
+    since: float | None = None
+    counts: dict[str, int] = field(default_factory=lambda: {
+        "generations": 0, "joined": 0, "left": 0, "lost": 0, "excluded": 0,
+        "iterations_lost": 0})
+    recoveries_s: list[float] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def _change(self, kind: str, line: str, now: float) -> None:
+        self.counts[kind] += 1
+        self.changes.append(line)
+        if self.since is None:
+            self.since = now
+
+    def lost(self, who: str, why: str, now: float) -> None:
+        self._change("lost", f"lost {who}: {why}", now)
+
+    def left(self, who: str, why: str, now: float) -> None:
+        self._change("left", f"{who} left ({why})", now)
+
+    def came(self, who: str, now: float) -> None:
+        self._change("joined", f"{who} came", now)
+
+    def note(self, line: str, excluded: bool = False) -> None:
+        """A line of its own (a worker backing off, or excluded)."""
+        if excluded:
+            self.counts["excluded"] += 1
+        self.events.append({"event": line})
+        self.say(f"Elastic: {line}")
+
+    def generation(self, number: int, workers: int, start: int, reached: int, now: float,
+                   batch: str, plan: str) -> None:
+        """Generation ``number`` of ``workers`` trains, from ``start`` (the commit); the
+        iteration the job had ``reached`` before it."""
+        self.counts["generations"] += 1
+        lost = max(0, reached - start)
+        if number == 1:
+            self.say(f"Elastic generation 1: {workers} workers from iteration {start}; {batch}; "
+                     f"plan: {plan}")
+            self.changes, self.since = [], None
+            return
+        seconds = now - (self.since if self.since is not None else now)
+        self.counts["iterations_lost"] += lost
+        self.recoveries_s.append(seconds)
+        redo = (f"iterations {start}..{reached - 1} done again: {lost} lost" if lost else
+                "nothing lost")
+        what = "; ".join(self.changes) or "the generation ended"
+        line = (f"{what}. Generation {number}: {workers} workers from commit {start} ({redo}), "
+                f"in {seconds:.2f} s; {batch}; plan: {plan}")
+        self.events.append({"generation": number, "workers": workers, "commit": start,
+                            "iterations_lost": lost, "recovery_s": round(seconds, 3),
+                            "changes": self.changes})
+        self.say(f"Elastic: {line}")
+        self.changes, self.since = [], None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.counts, "recovery_s": [round(s, 3) for s in self.recoveries_s],
+                "events": self.events}
