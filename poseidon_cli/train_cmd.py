@@ -10,6 +10,8 @@ import click
 from .console import fail, user_errors
 # SIGNAL_ACTIONS: Caffe's -sigint_effect / -sighup_effect values
 from .launch.config import SIGNAL_ACTIONS, JobConfig, cli_options
+from .warmup_cmd import echo as warmup_echo
+from .warmup_cmd import warm_kernels
 
 
 def parse_gpus(text: str) -> list[int]:
@@ -151,6 +153,9 @@ def train(solver: str, weights: str | None, gpu: str | None, pin: str | None, ho
                            weights=tuple(weight_files),
                            gpus=tuple(gpus) if gpus is not None else None,
                            pin_gpus=pinned is not None, signal_effects=effects, **options)
+        if gpus is None and config.replay is None and rank is None and managed is None:
+            # compiled here, once, not by each local worker in its first iterations
+            warm_kernels(["float32"], warmup_echo, force=False)
         if distributed:
             from .launch import launcher
             launcher.start(config, managed, hosts, host_list, nproc, rank, launch)
