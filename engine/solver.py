@@ -311,14 +311,13 @@ class Solver:
 
     def load_weights(self, path: str | Path) -> None:
         """Copy weights by layer name into the train net and every test net (Caffe's -weights)."""
-        from .caffe_io import copy_weights_into
+        from .caffe_io import load_trained_weights
 
         path = Path(path)
         if not path.is_file():
             raise SolverError(f"weights file {path} not found")
         glog.info(f"Finetuning from {path}")
-        for net in [self.net, *self.test_nets]:
-            copy_weights_into(net, path)
+        load_trained_weights([self.net, *self.test_nets], path)
 
     # -- the sync hook --------------------------------------------------------------------
     def attach_sync(self, sync: GradientSync | None, momentum_by_sync: Collection[int] = ()

@@ -26,6 +26,7 @@ from .files import (
     read_bytes,
     weights_format,
 )
+from .kinds import check_kind
 from .upgrade import V1, V1_TYPE_NAMES, upgrade_net
 
 LayerWeights = list[tuple[str, str, list[np.ndarray]]]
@@ -39,10 +40,14 @@ def read_net_binary(path: PathLike, upgrade: bool = True) -> caffe_pb2.NetParame
     """A binary NetParameter (.caffemodel), upgraded like a prototxt unless `upgrade=False`."""
     net = caffe_pb2.NetParameter()
     data = read_bytes(path)
-    parse_binary(data, net, path, "caffemodel")
-    if len(net.layer) == 0 and len(net.layers) == 0:
-        raise FormatError(f"{path}: not a valid caffemodel (truncated or corrupt): "
-                          f"no layers in {len(data)} bytes")
+    try:
+        parse_binary(data, net, path, "caffemodel")
+        if len(net.layer) == 0 and len(net.layers) == 0:
+            raise FormatError(f"{path}: not a valid caffemodel (truncated or corrupt): "
+                              f"no layers in {len(data)} bytes")
+    except FormatError:
+        check_kind(path, "caffemodel")  # a solverstate or a prototxt given as weights
+        raise
     net_to_weights(net, path)  # every blob's value count must match its shape
     if upgrade:
         upgrade_net(net, str(path))
@@ -110,6 +115,7 @@ def read_net_hdf5(path: PathLike) -> LayerWeights:
     """Layers of a Caffe HDF5 snapshot (group data/<layer>/<i>); types are not stored: ""."""
     with open_h5(path, "caffemodel.h5") as f:
         if "data" not in f:
+            check_kind(path, "caffemodel")
             raise FormatError(f"{path}: not a Caffe HDF5 model (no 'data' group)")
         return _h5_layers(f["data"], "", path)
 
