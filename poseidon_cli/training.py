@@ -21,12 +21,15 @@ Attach = Callable[[Any], ContextManager[Any]]
 
 def build_solver(config: JobConfig, context: RunContext) -> Any:
     """The Solver of ``config``: Caffe's, or one replaying traced layer times (--replay)."""
+    # caffe train's -level and -stage: the solver's train_state, as Caffe's tool sets it
+    state = dict(train_level=config.level,
+                 train_stages=[s for given in config.stage for s in given.split(",") if s])
     if config.replay is not None:
         from engine.perf.replay import make_solver
         return make_solver(config.solver, config.replay, config.time_scale, context=context,
-                           is_root=context.rank == 0)
+                           is_root=context.rank == 0, **state)
     from engine.solver import Solver
-    return Solver(config.solver, context=context, is_root=context.rank == 0)
+    return Solver(config.solver, context=context, is_root=context.rank == 0, **state)
 
 
 def train_process(config: JobConfig, context: RunContext, gpu: int | None,
