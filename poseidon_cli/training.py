@@ -52,6 +52,8 @@ def train_process(config: JobConfig, context: RunContext, gpu: int | None,
     try:
         for w in config.weights:
             solver.load_weights(w)
+        if config.snapshot is not None and root:
+            say_if_the_batch_changes(config.snapshot, solver, context.world_size)
         if config.timeline is not None:
             name = f"worker {context.rank}" if attach else "train"
             timeline.start(config.timeline, name, f"worker{context.rank}" if attach else "rank0")
@@ -65,3 +67,27 @@ def train_process(config: JobConfig, context: RunContext, gpu: int | None,
             timeline.current.save_part()
             if root:
                 timeline.merge(config.timeline, expected=timeline_parts)
+
+
+def say_if_the_batch_changes(snapshot: str, solver: Any, world: int) -> None:
+    """One warning when ``snapshot`` was written by another number of workers than this run
+    has (its recorded plan says how many; none recorded: one): each iteration then trains on
+    another global batch than the run being resumed did, silently otherwise."""
+    from engine import glog
+    from engine.caffe_io import FormatError
+    from engine.comm.plan_file import recorded_plan
+
+    try:
+        plan = recorded_plan(snapshot)
+    except FormatError:
+        return  # the restore names what is wrong with the file
+    written_by = plan.world_size if plan is not None and plan.world_size else 1
+    if written_by == world:
+        return
+    now = solver.images_per_iter()  # 0 for a net fed by Input layers, not a database
+    change = (f"an iteration now trains on {now} images, not {now // world * written_by}"
+              if now else f"the global batch is now {world}/{written_by} of what it was")
+    workers = f"{written_by} worker{'s' * (written_by > 1)}"
+    glog.warning(f"{snapshot} was written by {workers} and this run has {world}: {change} (the "
+                 f"learning rate schedule counts iterations; resume on {workers} to keep the "
+                 "batch)")
