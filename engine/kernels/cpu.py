@@ -9,9 +9,10 @@ here it is one (an fc layer's step: 0.38 ms against 0.74).
 LRN in NumPy is some twenty passes over blobs that do not fit in cache (AlexNet's norm1:
 37 MB); here it is one pass per image. These are Caffe's loops, compiled by Numba, in the
 NumPy forms' operation order (equal to the bit: the tests check it); the NumPy forms stay
-the reference, and these are used only when Numba imports (``pip install 'poseidon[fast]'``)
-and POSEIDON_NUMBA is not 0. Compiled code is cached on disk, so a
-process pays the compilation (about a second per kernel and dtype) once per machine.
+the reference, and these are used only when Numba imports (``pip install -e '.[fast]'`` in
+the checkout) and POSEIDON_NUMBA is not 0. Compiled code is cached on disk, so the
+compilation (about a second per kernel and dtype) is paid once per machine: by `poseidon
+warmup` or `poseidon train` ahead of time (``warm``), or by the first use, which says so once.
 """
 from __future__ import annotations
 
