@@ -157,7 +157,8 @@ class Solver:
             param.type = update_rule
         if train_level is not None:
             param.train_state.level = train_level
-        param.train_state.stage.extend(train_stages)
+        if train_stages:  # (extending by nothing would print an empty train_state in the log)
+            param.train_state.stage.extend(train_stages)
         self.context = RunContext(context.rank, context.world_size, base_dirs)
         self.param = param
         self.is_root = is_root
