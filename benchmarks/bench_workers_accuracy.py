@@ -34,9 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine.caffe_io import read_net_prototxt, read_solver_prototxt
-from engine.comm.hosts import free_base_port
-from poseidon_cli.benches.train import one_thread_env
 from engine.pb import caffe_pb2
+from poseidon_cli.benches.train import one_thread_env
+from poseidon_cli.launch.hostfile import free_base_port
 
 TOTAL_BATCH = 64
 TEST_BATCH, TEST_ITER = 100, 100  # the 10,000 test images exactly once

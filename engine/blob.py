@@ -3,12 +3,17 @@
 Every allocation is checked first against the memory this machine has (RAM available plus
 free swap): a net that cannot fit fails with one line naming the blob and the bytes, before
 anything is allocated, instead of a MemoryError traceback or a machine swapping to death.
+
+Inside ``shapes_only()`` a blob holds no memory at all: each array is a single value seen under
+the blob's shape (every stride 0), so a net is built, set up and reshaped for its shapes and
+parameter sizes (the simulator's needs) at any batch, whatever the machine's memory.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -45,11 +50,37 @@ def check_fits(what: str, nbytes: int) -> None:
                            "(RAM + swap)")
 
 
+_shapes_only = False
+
+
+@contextlib.contextmanager
+def shapes_only() -> Iterator[None]:
+    """Blobs made or reshaped inside hold no memory and fillers write nothing: for tools that
+    need only shapes (the simulator); never while training (every value of a blob is one)."""
+    global _shapes_only
+    before, _shapes_only = _shapes_only, True
+    try:
+        yield
+    finally:
+        _shapes_only = before
+
+
+def building_shapes_only() -> bool:
+    """True inside ``shapes_only()``."""
+    return _shapes_only
+
+
+def _zeros(shape: tuple[int, ...], dtype: Any, xp: Any) -> Any:
+    if _shapes_only:  # one value under the whole shape: writes land on it, nothing is backed
+        return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape, (0,) * len(shape))
+    return xp.zeros(shape, dtype=dtype)
+
+
 def _checked_shape(name: str, shape: Sequence[int], dtype: Any, xp: Any) -> tuple[int, ...]:
     shape = tuple(int(s) for s in shape)
     if any(s < 0 for s in shape):
         raise ValueError(f"blob {name!r}: negative dimension in shape {shape}")
-    if xp is np:  # a GPU's memory is CuPy's to report
+    if xp is np and not _shapes_only:  # a GPU's memory is CuPy's to report
         n = math.prod(shape)  # Python ints: no wrap-around
         check_fits(f"blob {name!r} of shape {shape} (data and diff)",
                    2 * n * np.dtype(dtype).itemsize)
@@ -69,8 +100,8 @@ class Blob:
                  name: str = ""):
         xp = xp if xp is not None else backend.xp_default()
         self.name = name
-        self.data = xp.zeros(_checked_shape(name, shape, dtype, xp), dtype=dtype)
-        self.diff = xp.zeros(self.data.shape, dtype=dtype)  # zeros_like writes every page; zeros need not
+        self.data = _zeros(_checked_shape(name, shape, dtype, xp), dtype, xp)
+        self.diff = _zeros(self.data.shape, dtype, xp)  # zeros_like writes every page; zeros need not
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -122,12 +153,12 @@ class Blob:
         xp = backend.get_array_module(self.data)
         shape = _checked_shape(self.name, shape, self.data.dtype, xp)
         n = math.prod(shape)
-        if n == self.data.size:
+        if n == self.data.size and not _shapes_only:
             self.data = self.data.reshape(shape)
             self.diff = self.diff.reshape(shape)
         else:
-            self.data = xp.zeros(shape, dtype=self.data.dtype)
-            self.diff = xp.zeros(shape, dtype=self.data.dtype)
+            self.data = _zeros(shape, self.data.dtype, xp)
+            self.diff = _zeros(shape, self.data.dtype, xp)
 
     def reshape_like(self, other: "Blob") -> None:
         self.reshape(other.shape)

@@ -6,14 +6,13 @@ drawn on the host, because a seeded run must give the same weights on CPU and GP
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
 from . import backend
-from .blob import Blob
+from .blob import Blob, building_shapes_only
 
 
 class FillerError(ValueError):
@@ -121,22 +120,6 @@ _FILLERS: dict[str, Callable[[Any, Blob], None]] = {
 }
 
 
-_shapes_only = False
-
-
-@contextlib.contextmanager
-def shapes_only() -> Iterator[None]:
-    """Build nets without writing initial values: arrays stay zeros that the OS has not yet
-    backed with memory, so a 229M-parameter net takes no RAM. For tools that need only shapes
-    (the simulator); never while training."""
-    global _shapes_only
-    before, _shapes_only = _shapes_only, True
-    try:
-        yield
-    finally:
-        _shapes_only = before
-
-
 def fill(filler_param: Any, blob: Blob) -> None:
     """Fill ``blob.data`` as Caffe's filler named by ``filler_param.type`` would."""
     try:
@@ -144,7 +127,7 @@ def fill(filler_param: Any, blob: Blob) -> None:
     except KeyError:
         raise FillerError(f"unknown filler type '{filler_param.type}' "
                           f"(known: {', '.join(sorted(_FILLERS))})") from None
-    if blob.count == 0 or _shapes_only:
+    if blob.count == 0 or building_shapes_only():
         return
     filler(filler_param, blob)
 

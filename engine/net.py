@@ -17,7 +17,7 @@ from typing import Any, Callable, Collection, Iterable, Sequence
 import numpy as np
 
 from . import backend
-from .blob import Blob, BlobTooLarge, check_fits
+from .blob import Blob, BlobTooLarge, building_shapes_only, check_fits
 from .context import RunContext
 from .layers import Layer, LayerError, create_layer, registered_types
 from . import timeline
@@ -274,7 +274,7 @@ class Net:
                 layer.reshape(bottoms, tops)
             except BlobTooLarge as e:
                 raise NetError(f"layer '{lp.name}' ({lp.type}): {e}") from None
-            if xp is np:  # the whole net so far must fit too, not only each blob
+            if xp is np and not building_shapes_only():  # the net so far must fit too
                 for b in [*tops, *layer.blobs]:
                     for a in (b.data, b.diff):
                         if a.ctypes.data not in counted:  # views (in place, reshaped) once

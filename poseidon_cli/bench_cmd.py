@@ -11,6 +11,7 @@ import click
 SUBCOMMANDS = {
     "cluster": "poseidon_cli.bench_cluster_cmd:cluster",
     "comm": "poseidon_cli.bench_comm_cmd:comm",
+    "data": "poseidon_cli.bench_data_cmd:data",
     "shard": "poseidon_cli.bench_shard_cmd:shard",
     "time": "poseidon_cli.bench_time_cmd:time_cmd",
     "train": "poseidon_cli.bench_train_cmd:train",

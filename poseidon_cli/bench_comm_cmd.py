@@ -46,45 +46,85 @@ def parse_sizes(text: str) -> list[int]:
               help="Alternating repetitions per size (fewer for the largest).")
 @click.option("--workers", default="2,4,8,16", show_default=True,
               help="Worker counts for the per-scheme table.")
+@click.option("--bandwidth", default=None,
+              help="Through one emulated link of this rate (1gbit, 5gbit; needs root: a "
+                   "network namespace at each end, tbf both ways) instead of loopback.")
+@click.option("--piece-bytes", default="4M", show_default=True,
+              help="Messages larger than this are authenticated and sent in pieces of it.")
+@click.option("--gloo/--no-gloo", default=True, show_default=True,
+              help="Also run Gloo's point-to-point (torch.distributed, CPU) when PyTorch is "
+                   "installed.")
+@click.option("--stages", is_flag=True,
+              help="Also time where a ping-pong of the smallest size goes, stage by stage.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write every row, the fit and the scheme table here.")
 @click.option("--link-out", type=click.Path(dir_okay=False), default=None,
               help="Write the fitted alpha and beta for `poseidon simulate --link`.")
-def comm(sizes: str, repeats: int, workers: str, json_path: str | None,
-         link_out: str | None) -> None:
-    """Poseidon's transport against raw TCP between two local processes; fits alpha, beta."""
-    from engine.perf.bench_comm import run, scheme_times
+def comm(sizes: str, repeats: int, workers: str, bandwidth: str | None, piece_bytes: str,
+         gloo: bool, stages: bool, json_path: str | None, link_out: str | None) -> None:
+    """Poseidon's transport against raw TCP and Gloo between two processes; fits alpha, beta."""
+    from poseidon_cli.benches.comm import (
+        auth_bytes_per_s,
+        cpu_name_and_blas,
+        gloo_available,
+        run,
+        scheme_times,
+        stage_breakdown,
+    )
 
     from .simulate_cmd import parse_workers
 
     with user_errors():
         chosen = parse_sizes(sizes)
         counts = parse_workers(workers)
+        piece = parse_size(piece_bytes)
         if repeats < 1:
             raise ValueError(f"--repeats must be positive, got {repeats}")
-    from engine.perf.bench_comm import cpu_name_and_blas
-    click.echo(f"machine: {cpu_name_and_blas()}, loopback; peer: a raw TCP stream in the same run; "
-               f"iperf3: {'installed, not run' if shutil.which('iperf3') else 'not installed'}")
+        bits = None
+        if bandwidth is not None:
+            from engine.comm.link import parse_bandwidth
+            from engine.perf.netns import check_root, cleanup_stale
+            bits = parse_bandwidth(bandwidth)
+            check_root("bench comm --bandwidth")
+            cleanup_stale()
+    gloo = gloo and gloo_available()
+    where = f"one emulated link of {bandwidth} (tbf, network namespaces)" if bits else "loopback"
+    peers = "a raw TCP stream" + (", Gloo (torch.distributed send/recv, CPU)" if gloo else
+                                  " (Gloo: PyTorch not installed)")
+    click.echo(f"machine: {cpu_name_and_blas()}, {where}; pieces of {piece} bytes; peers in the "
+               f"same run: {peers}; iperf3: "
+               f"{'installed, not run' if shutil.which('iperf3') else 'not installed'}")
     click.echo(f"{'bytes':>11} {'one-way us':>11} {'poseidon MB/s':>14} {'tcp MB/s':>10} "
-               f"{'ratio':>6} {'no-auth MB/s':>13} {'auth cost':>10}")
+               f"{'ratio':>6} {'no-auth MB/s':>13} {'auth cost':>10}"
+               + (f" {'gloo one-way us':>16} {'gloo MB/s':>10} {'vs gloo':>8}" if gloo else ""))
 
     def say(r) -> None:
-        click.echo(f"{r.bytes:>11} {r.poseidon_one_way_s * 1e6:>11.1f} {r.poseidon_mb_s:>14.1f} "
-                   f"{r.tcp_mb_s:>10.1f} {r.ratio:>6.2f} {r.unauthenticated_mb_s:>13.1f} "
-                   f"{r.auth_cost:>9.1%}")
+        line = (f"{r.bytes:>11} {r.poseidon_one_way_s * 1e6:>11.1f} {r.poseidon_mb_s:>14.1f} "
+                f"{r.tcp_mb_s:>10.1f} {r.ratio:>6.2f} {r.unauthenticated_mb_s:>13.1f} "
+                f"{r.auth_cost:>9.1%}")
+        if r.gloo_mb_s is not None:
+            line += (f" {r.gloo_one_way_s * 1e6:>16.1f} {r.gloo_mb_s:>10.1f} "
+                     f"{r.gloo_ratio:>7.2f}x")
+        click.echo(line)
 
     try:
-        rows, link = run(chosen, repeats, say)
+        rows, link = run(chosen, repeats, say, piece_bytes=piece, bits_per_s=bits, gloo=gloo)
+        breakdown = stage_breakdown(min(chosen), piece_bytes=piece) if stages else None
     except (RuntimeError, OSError) as e:
         fail(f"bench comm: {e}")
     click.echo(f"fit: alpha = {link.alpha_s * 1e6:.1f} us, beta = {link.beta_s_per_byte * 1e9:.4f} "
                f"ns/byte ({link.bits_per_s / 1e9:.2f} Gbit/s)")
-    from engine.perf.bench_comm import auth_bytes_per_s
-    auth = auth_bytes_per_s()
+    auth = auth_bytes_per_s(piece_bytes=piece)
     wire_10g = (64 << 20) / 1.25e9
-    click.echo(f"authentication (AES-GMAC): {auth / 1e9:.1f} GB/s on one core: a 64 MB message "
-               f"costs {(64 << 20) / auth * 1e3:.1f} ms on each side, "
+    click.echo(f"authentication (AES-GMAC, in pieces): {auth / 1e9:.1f} GB/s on one core: a 64 MB "
+               f"message costs {(64 << 20) / auth * 1e3:.1f} ms on each side, "
                f"{(64 << 20) / auth / wire_10g:.1%} of its {wire_10g * 1e3:.0f} ms on 10 GbE")
+    if breakdown is not None:
+        click.echo(f"where a ping-pong of {min(chosen)} bytes goes (loopback, median us; round "
+                   f"trip {breakdown['round_trip_us']:.1f} us):")
+        for st in breakdown["stages"]:
+            us = "-" if st["us"] is None else f"{st['us']:.1f}"
+            click.echo(f"  {st['leg']:>5}  {st['stage']:<32} {us:>8}")
     size = max(chosen)
     table = scheme_times(link, size, counts)
     click.echo(f"per-node time to synchronise {size} bytes on this link:")
@@ -95,5 +135,6 @@ def comm(sizes: str, repeats: int, workers: str, json_path: str | None,
         click.echo(f"wrote {link_out}")
     if json_path:
         Path(json_path).write_text(json.dumps(
-            {"machine": cpu_name_and_blas(), "rows": [r.as_dict() for r in rows], "link": link.as_dict(),
-             "auth_bytes_per_s": auth, "schemes": table}, indent=1) + "\n")
+            {"machine": cpu_name_and_blas(), "where": where, "piece_bytes": piece,
+             "rows": [r.as_dict() for r in rows], "link": link.as_dict(),
+             "auth_bytes_per_s": auth, "stages": breakdown, "schemes": table}, indent=1) + "\n")

@@ -32,8 +32,8 @@ from .console import fail, user_errors
 def shard(layouts: str, threads: str, workers: int, repeats: int, rounds: int, wire: str,
           chunk_bytes: str, json_path: str | None) -> None:
     """A real shard process and P worker processes on loopback: bytes summed per second."""
-    from engine.perf.bench_comm import cpu_name_and_blas
-    from engine.perf.bench_shard import LAYOUTS, run
+    from poseidon_cli.benches.comm import cpu_name_and_blas
+    from poseidon_cli.benches.shard import LAYOUTS, run
 
     with user_errors():
         names = [n.strip() for n in layouts.split(",") if n.strip()]
@@ -72,7 +72,7 @@ def shard(layouts: str, threads: str, workers: int, repeats: int, rounds: int, w
     click.echo(f"medians of {repeats} measurements of {rounds} rounds each; ratio: summed GB/s "
                "against threads=0 in the same run; shard cpu: the shard process's CPU time per "
                "round, all threads; GB/cpu-s: bytes summed per second of it")
-    from engine.perf.bench_shard import add_bytes_per_s
+    from poseidon_cli.benches.shard import add_bytes_per_s
     adds = add_bytes_per_s(size)
     click.echo(f"for scale: one thread adds {size}-byte pushes in place at {adds / 1e9:.1f} GB/s "
                "(no network); a 10 GbE link brings a shard 1.25 GB/s")

@@ -26,8 +26,8 @@ from .console import fail
 def time_cmd(nets: str, repeats: int, iterations: int | None, threads: str, caffe: str | None,
              json_path: str | None) -> None:
     """The engine's forward+backward next to Caffe and PyTorch CPU, alternating runs."""
-    from engine.perf.bench_comm import cpu_name_and_blas
-    from engine.perf.bench_time import NETS, run, torch_available
+    from poseidon_cli.benches.comm import cpu_name_and_blas
+    from poseidon_cli.benches.time import NETS, run, torch_available
 
     chosen = [n.strip() for n in nets.split(",") if n.strip()]
     unknown = [n for n in chosen if n not in NETS]

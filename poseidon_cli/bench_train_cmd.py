@@ -33,8 +33,9 @@ from .simulate_cmd import parse_workers
 def train(workers: str, schemes: str | None, nets: str, iters: int, repeats: int,
           bandwidth: str | None, json_path: str | None) -> None:
     """Poseidon's workers against DDP on the same net and the same records."""
-    from engine.perf.bench_comm import cpu_name_and_blas
-    from engine.perf.bench_time import torch_available
+    from poseidon_cli.benches.comm import cpu_name_and_blas
+    from poseidon_cli.benches.time import torch_available
+
     from .benches.train import NETS, run
 
     if iters < 6:

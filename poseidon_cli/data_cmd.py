@@ -146,19 +146,25 @@ def _positional(given: tuple[Path, ...], names: tuple[str, ...], options: dict[s
 @click.option("--check-size", "--check_size", "check_size", is_flag=True,
               help="every image must have the first one's size")
 @click.option("--strict", is_flag=True, help="stop at the first bad image instead of skipping it")
+@click.option("--decoders", type=click.IntRange(min=0), default=0, show_default=True,
+              help="threads reading, decoding, resizing and encoding images (0: this "
+                   "machine's usable cores, at most 4)")
 @_FORCE
 def images(paths: tuple[Path, ...], list_file: Path | None, root: Path | None, out: Path | None,
            backend: str, resize_height: int, resize_width: int, gray: bool, shuffle: bool,
            seed: int, encoded: bool, encode_type: str, check_size: bool, strict: bool,
-           force: bool) -> None:
+           decoders: int, force: bool) -> None:
     """convert_imageset: the images of a list file -> an LMDB of Datum for a Data layer.
 
     The paths as options, or in Caffe's order: `poseidon data images ROOT LIST DB`. A bad
     image (missing, unreadable, not an image, the wrong size with --check-size) is reported
     by name and skipped; with --strict it stops the conversion and nothing is written.
+    Interrupted (Ctrl-C), the records so far are kept: the same command continues from there
+    (with another list or other options it says what changed; --force starts over).
     """
     from engine.data.datum import DataError
-    from engine.data.imageset import ImagesetOptions, ListEntry, convert_imageset
+    from engine.data.imageset import (ImagesetOptions, Interrupted, ListEntry, convert_imageset,
+                                      partial_path)
     from poseidon_cli.progress import CountProgress
 
     root, list_file, out = _positional(paths, ("ROOT", "LIST", "DB"),
@@ -176,19 +182,36 @@ def images(paths: tuple[Path, ...], list_file: Path | None, root: Path | None, o
     opts = ImagesetOptions(resize_height, resize_width, gray, shuffle, seed, encoded,
                            encode_type, check_size, strict)
     start = time.perf_counter()
+    resumed = partial_path(out).exists()
     with CountProgress("images") as progress:
         def skipped(entry: ListEntry, reason: str) -> None:
             progress.say(f"poseidon: skipping {entry.name} ({list_file}:{entry.line}): {reason}")
+
+        announced = False
+
+        def record(done: int, total: int) -> None:
+            nonlocal announced
+            if not announced:
+                announced = True
+                if resumed and done:
+                    progress.say(f"poseidon: resuming {out}: {done} of {total} images were "
+                                 f"done before")
+            progress.update(done, total)
         try:
             written, n_skipped = convert_imageset(list_file, out, root, opts, force,
-                                                  on_record=progress.update, on_skip=skipped)
+                                                  on_record=record, on_skip=skipped,
+                                                  decoders=decoders)
+        except Interrupted as e:
+            progress.say(f"poseidon: {e}")
+            raise SystemExit(130) from None
         except DataError as e:
             fail(str(e))
         except OSError as e:
             fail(f"cannot write {out}: {e.strerror or e}")
-    tail = f", {n_skipped} bad images skipped" if n_skipped else ""
-    click.echo(f"wrote {out}: {written} records{tail}")
-    click.echo(f"done in {time.perf_counter() - start:.1f} s")
+    seconds = time.perf_counter() - start
+    click.echo(f"wrote {out}: {written} records, {n_skipped} bad "
+               f"image{'' if n_skipped == 1 else 's'} skipped")
+    click.echo(f"done in {seconds:.1f} s")
 
 
 @data.command()
@@ -205,6 +228,7 @@ def mean(paths: tuple[Path, ...], db: Path | None, out: Path | None, backend: st
     from engine.data.converters import compute_image_mean
     from engine.data.datum import DataError
     from engine.data.transformer import write_mean_file
+    from poseidon_cli.progress import CountProgress
     if len(paths) == 1 and db is None:  # `mean DB --out FILE`
         db = paths[0]
     else:
@@ -212,7 +236,8 @@ def mean(paths: tuple[Path, ...], db: Path | None, out: Path | None, backend: st
     if db is None or out is None:
         fail("which database, and where to? `poseidon data mean DB OUT` (or --db DB --out FILE)")
     try:
-        image, n = compute_image_mean(db, backend.upper())
+        with CountProgress("mean") as progress:
+            image, n = compute_image_mean(db, backend.upper(), on_record=progress.update)
         write_mean_file(out, image)
     except DataError as e:
         fail(str(e))

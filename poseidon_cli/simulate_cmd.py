@@ -3,13 +3,16 @@
 Per-layer times (a trace, `poseidon time --json`, or an estimate from the net's FLOPs), the
 net's shapes, a link (bandwidth and latency, or the alpha and beta `poseidon bench comm`
 fitted), and the DAG model of engine/perf/dag.py give, per scheme and number of workers, the
-iteration time, the communication left exposed, images/s, speedup and efficiency.
+iteration time, the communication left exposed, images/s, speedup and efficiency. With
+``--measured-comm`` a distributed run's trace gives each layer's communication time instead of
+the link model, and its measured iteration is printed beside the recurrence's.
 """
 from __future__ import annotations
 
 import json
 import sys
-from typing import Sequence
+from dataclasses import replace
+from typing import Any, Sequence
 
 import click
 
@@ -79,14 +82,22 @@ def plot_speedup(predictions: Sequence, path: str, title: str) -> None:
               help="No trace: estimate layer times from FLOPs on the paper's GPU (Titan X).")
 @click.option("--batch", type=int, default=None, help="Images per worker (default: the net's).")
 @click.option("--input-shape", default=None, help="C,H,W of a data layer whose shape is unknown.")
-@click.option("--workers", default="1,2,4,8,16", show_default=True,
-              help="Worker counts: 1,2,4,8 or 1-16.")
+@click.option("--workers", default=None,
+              help="Worker counts: 1,2,4,8 or 1-16.  [default: 1,2,4,8,16; with "
+              "--measured-comm 1 and the traced run's]")
 @click.option("--bandwidth", default="10gbit", show_default=True,
               help="Each node's link, each direction: 10gbit, 1gbit, 25GbE...")
-@click.option("--latency", default="50us", show_default=True, help="Per message: 50us, 0.2ms.")
+@click.option("--latency", default="50us", show_default=True,
+              help="Per message hop: 50us, 0.2ms. A layer pays it once per hop of its round: "
+              "SFB once, PS twice (push, sum), ring 2(P-1) and hd 2*log2(P) times.")
 @click.option("--link", "link_path", type=click.Path(dir_okay=False), default=None,
               help="alpha and beta fitted by `poseidon bench comm --link-out` (replaces "
               "--bandwidth and --latency).")
+@click.option("--unfair", type=click.FloatRange(min=0.0), default=None,
+              help="How unfairly many TCP flows share one side of a link: the slowest of n "
+              "takes 1 + UNFAIR*(1 - 1/n) times its fair share (PS and SFB talk to P-1 peers at "
+              "once). [default: the link file's, else 0.25, measured on the emulated cluster; "
+              "0: fair]")
 @click.option("--scheme", "schemes", default=",".join([*NETWORK_SCHEMES, "hybrid", "auto"]),
               show_default=True,
               help="Schemes to compare.")
@@ -97,35 +108,57 @@ def plot_speedup(predictions: Sequence, path: str, title: str) -> None:
               help="With --slots: the link between the workers of one machine.")
 @click.option("--chunk-bytes", type=int, default=4 << 20, show_default=True,
               help="The PS chunk size the run will use.")
+@click.option("--measured-comm", is_flag=True,
+              help="Price each layer's communication by the trace's measured comm_ms (a "
+              "trace of a distributed run) instead of the link model: DESIGN.md's DAG "
+              "recurrence on measured times, next to the trace's measured iteration.")
 @click.option("--save-trace", type=click.Path(dir_okay=False), default=None,
               help="Write the layer times used (e.g. the --estimate) as a trace file.")
 @click.option("--json", "as_json", is_flag=True, help="Print the predictions as JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="Write speedup against workers as a PNG (needs matplotlib).")
 def simulate(model: str, trace_path: str | None, estimate: bool, batch: int | None,
-             input_shape: str | None, workers: str, bandwidth: str, latency: str,
-             link_path: str | None, schemes: str, slots: int, local_bandwidth: str,
-             chunk_bytes: int, save_trace: str | None, as_json: bool, plot: str | None) -> None:
+             input_shape: str | None, workers: str | None, bandwidth: str, latency: str,
+             link_path: str | None, unfair: float | None, schemes: str, slots: int,
+             local_bandwidth: str,
+             measured_comm: bool, chunk_bytes: int, save_trace: str | None, as_json: bool,
+             plot: str | None) -> None:
     """Predict iteration time, exposed communication and speedup per scheme and worker count."""
-    from engine.perf.dag import SCHEMES, missing_layers, sweep
+    from engine.perf.dag import MEASURED, SCHEMES, missing_layers, sweep
     from engine.perf.flops import TITAN_X, trace_from_flops
-    from engine.comm.link import Link, load_link, parse_bandwidth, parse_duration
+    from engine.comm.link import (UNFAIR_MEASURED, Link, load_link, parse_bandwidth,
+                                  parse_duration)
     from engine.perf.netinfo import net_info
     from engine.perf.trace import load_trace
 
     if (trace_path is None) == (not estimate):
         fail("give --trace FILE or --estimate (not both)")
+    if measured_comm and estimate:
+        fail("--measured-comm prices the communication a --trace FILE measured, not an --estimate")
     with user_errors():
-        counts = parse_workers(workers)
+        counts = parse_workers(workers or "1,2,4,8,16")
         wanted = [s.strip() for s in schemes.split(",") if s.strip()]
         for s in wanted:
             if s not in SCHEMES:
                 raise ValueError(f"--scheme {s!r}: choose from {', '.join(SCHEMES)}")
         link = (load_link(link_path) if link_path else
                 Link.from_bandwidth(parse_bandwidth(bandwidth), parse_duration(latency),
-                                    f"{bandwidth}, {latency} per message"))
+                                    f"{bandwidth}, {latency} per message",
+                                    UNFAIR_MEASURED))
+        if unfair is not None:
+            link = replace(link, unfair=unfair)
         info = net_info(model, batch, parse_shape(input_shape))
         trace = trace_from_flops(info, TITAN_X) if estimate else load_trace(trace_path)
+        if measured_comm:
+            if not trace.has_comm:
+                raise ValueError(f"{trace_path}: --measured-comm, but its layers carry no "
+                                 "comm_ms (models/traces/README.md: a distributed run's trace)")
+            wanted = [MEASURED]
+            counts = parse_workers(workers) if workers else sorted({1, trace.workers or 1})
+            if any(n not in (1, trace.workers) for n in counts):
+                raise ValueError(f"--workers {workers}: the trace measured communication with "
+                                 f"{trace.workers} workers; --measured-comm predicts 1 and "
+                                 f"{trace.workers} only")
         missing = missing_layers(info, trace)
         if missing:
             raise ValueError(f"{trace_path}: no times for layer(s) {', '.join(missing[:5])}"
@@ -143,21 +176,40 @@ def simulate(model: str, trace_path: str | None, estimate: bool, batch: int | No
                                     f"inside a machine, {local_bandwidth}")
         predictions = sweep(info, trace, counts, wanted, link, chunk_bytes=chunk_bytes,
                             slots=slots, local_link=local)
-        title = (f"{info.name}, batch {info.batch}/worker, {link.bits_per_s / 1e9:g} Gbit/s, "
-                 f"alpha {link.alpha_s * 1e6:g} us"
+        title = (f"{info.name}, batch {info.batch}/worker, " + (
+            "communication as measured in the trace" if measured_comm else
+            f"{link.bits_per_s / 1e9:g} Gbit/s, alpha {link.alpha_s * 1e6:g} us")
                  + (f", {slots} workers per machine" if slots > 1 else ""))
         if plot:
             plot_speedup(predictions, plot, title)
     report = {"net": info.name, "batch": info.batch, "params": info.total_params,
               "trace": {"source": trace.source, "device": trace.device},
               "link": link.as_dict(), "predictions": [
-                  {k: v for k, v in p.as_dict().items() if k != "layers"} for p in predictions]}
+                  {k: v for k, v in p.as_dict().items() if k not in ("layers", "link_use")}
+                  for p in predictions]}
+    check = _against_measured(predictions, trace) if measured_comm else None
+    if check:
+        report["measured"] = check
     if as_json:
         click.echo(json.dumps(report, indent=1))
         return
     _print_table(predictions, title, trace.source)
+    if check:
+        click.echo(f"measured iteration {check['iteration_s'] * 1e3:.2f} ms with "
+                   f"{check['workers']} workers; the recurrence on the measured times "
+                   f"{check['predicted_s'] * 1e3:.2f} ms ({check['error']:+.2%})")
     if plot:
         click.echo(f"wrote {plot}")
+
+
+def _against_measured(predictions: Sequence, trace: Any) -> dict[str, float] | None:
+    """The traced run's measured iteration next to the recurrence's, when the trace has it."""
+    if trace.iteration_ms is None:
+        return None
+    [p] = [p for p in predictions if p.workers == trace.workers]
+    measured = trace.iteration_ms / 1e3
+    return {"workers": trace.workers, "iteration_s": measured, "predicted_s": p.iteration_s,
+            "error": p.iteration_s / measured - 1.0}
 
 
 def _print_table(predictions: Sequence, title: str, source: str) -> None:

@@ -7,7 +7,9 @@ Five targets, each a valid seed input and what Poseidon does with it:
 - ``solverstate``: read a solver state and its history blobs;
 - ``binaryproto``: read a mean file;
 - ``wire``: the receive path's parser (``Endpoint._parse``) on a message's frames, without
-  authentication (the structure a job's own processes could get wrong) and with it.
+  authentication (the structure a job's own processes could get wrong) and with it;
+- ``wire-pieces``: the same parser fed a large message's authenticated pieces one by one,
+  with pieces altered, lost, repeated or swapped.
 
 A clean error is what ``poseidon_cli.console.user_errors`` turns into one ``poseidon: error:``
 line. ``tests/test_fuzz.py`` runs a few hundred cases per target with hypothesis in CI; the
@@ -169,9 +171,9 @@ def wire_targets() -> tuple[dict[str, Target], list[Any]]:
     import zmq
 
     from engine.comm.auth import Signer, Verifier
-    from engine.comm.hosts import free_base_port, parse_hosts_text
     from engine.comm.transport import WORKER, Endpoint, header
     from engine.pb import poseidon_pb2 as pb
+    from poseidon_cli.launch.hostfile import free_base_port, parse_hosts_text
 
     base = free_base_port(3)
     hosts = parse_hosts_text("".join(f"127.0.0.1:{base + 2 * i}\n" for i in range(3)))
@@ -228,7 +230,60 @@ def wire_targets() -> tuple[dict[str, Target], list[Any]]:
     plain = WireTarget("wire", encode(frames), parse(False), extra={"frames": frames})
     signed = WireTarget("wire-auth", encode([*frames, signer.trailer(frames)]), parse(True),
                         extra={"frames": [*frames, signer.trailer(frames)]})
-    return {"wire": plain, "wire-auth": signed}, list(endpoints.values())
+    return ({"wire": plain, "wire-auth": signed, "wire-pieces": pieces_target(endpoints[True],
+                                                                              key, h)},
+            list(endpoints.values()))
+
+
+def pieces_target(ep: Any, key: bytes, h: Any) -> Target:
+    """A message in 5 authenticated pieces of 16 bytes, fed to ``ep``'s parser in order, as
+    its receive thread would: accepted whole, or an error naming why not."""
+    import zmq
+
+    from engine.comm.auth import Signer, Verifier
+    from engine.comm.pieces import signed
+    from engine.comm.transport import wire_frames
+
+    arrays = [np.arange(6, dtype=np.float32), np.ones(4)]
+    seed = [[bytes(memoryview(f)) for f in piece]
+            for piece in signed(wire_frames(h, arrays), Signer(key), 16)]
+
+    def run(data: bytes) -> None:
+        pieces = [[bytes(f, "latin-1") for f in piece] for piece in json.loads(data)]
+        ep._verifier = Verifier(key)  # each case is a sender's first message
+        ep._assembling.clear()
+        why = "no piece"
+        for piece in pieces:
+            msg, reason = ep._parse([zmq.Frame(f) for f in piece])
+            if msg is not None:
+                for a, b in zip(msg.arrays, arrays, strict=True):
+                    if not np.array_equal(a, b):
+                        raise AssertionError("an accepted message differs from the one sent")
+                return
+            why = reason or why
+        raise ValueError(why)
+
+    def encode(pieces: list[list[bytes]]) -> bytes:
+        return json.dumps([[f.decode("latin-1") for f in piece] for piece in pieces]).encode()
+
+    class PiecesTarget(Target):
+        def mutate(self, rng: random.Random) -> bytes:
+            ps = [list(p) for p in seed]
+            op = rng.randrange(4)
+            k = rng.randrange(len(ps))
+            if op == 0:    # a frame altered: a piece's bytes, its header or its trailer
+                f = rng.randrange(len(ps[k]))
+                ps[k][f] = mutate_bytes(ps[k][f], rng)
+            elif op == 1:  # a piece lost
+                del ps[k]
+            elif op == 2:  # a piece repeated
+                ps.insert(rng.randrange(len(ps) + 1), list(ps[k]))
+            else:          # two pieces swapped
+                j = rng.randrange(len(ps))
+                ps[k], ps[j] = ps[j], ps[k]
+            return encode(ps)
+
+    return PiecesTarget("wire-pieces", encode(seed), run)
 
 
 # ---------------------------------------------------------------------------------- runner

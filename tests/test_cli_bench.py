@@ -33,6 +33,13 @@ def test_bench_comm_measures_both_and_fits_a_link(tmp_path):
         assert r["ratio"] == pytest.approx(r["poseidon_mb_s"] / r["tcp_mb_s"])
         assert r["unauthenticated_mb_s"] > 0
         assert r["auth_cost"] == pytest.approx(1 - r["poseidon_mb_s"] / r["unauthenticated_mb_s"])
+    from poseidon_cli.benches.comm import gloo_available
+    for r in report["rows"]:  # Gloo beside them when PyTorch is installed, else said so
+        if gloo_available():
+            assert r["gloo_mb_s"] > 0 and r["gloo_one_way_s"] > 0
+            assert r["gloo_ratio"] == pytest.approx(r["poseidon_mb_s"] / r["gloo_mb_s"])
+        else:
+            assert r["gloo_mb_s"] is None and "PyTorch not installed" in done.stdout
     fitted = load_link(link)
     # what the fit says of a measured link depends on how busy the machine was (under load a
     # 4 KB trip can take longer than a 256 KB one); the fit itself is checked exactly below
@@ -42,7 +49,7 @@ def test_bench_comm_measures_both_and_fits_a_link(tmp_path):
 
 
 def test_the_link_fit_recovers_alpha_and_beta():
-    from engine.perf.bench_comm import fit_link
+    from poseidon_cli.benches.comm import fit_link
 
     alpha, beta = 80e-6, 1 / 2e9
     sizes = [1 << k for k in range(10, 27, 2)]
@@ -55,6 +62,51 @@ def test_the_link_fit_recovers_alpha_and_beta():
     # points that go down with size (a busy machine) give no negative latency or bandwidth
     odd = fit_link([(4096, 2e-3), (262144, 1e-3)])
     assert odd.alpha_s >= 0 and odd.beta_s_per_byte > 0
+
+
+def test_the_stage_breakdown_adds_up_to_the_round_trip():
+    """Each stage starts where the one before it ended, across the two processes' marks, so
+    the stages of one ping-pong add up to its round trip."""
+    from poseidon_cli.benches.comm import _legs
+
+    client = [(1, "call", 0), (1, "serialised", 10_000), (1, "tagged", 30_000),
+              (1, "received", 400_000), (1, "verified", 420_000), (1, "checked", 430_000),
+              (1, "handed", 435_000), (1, "woken", 500_000)]
+    server = [(1, "received", 150_000), (1, "verified", 180_000), (1, "checked", 200_000),
+              (1, "handed", 210_000), (1, "call", 215_000), (1, "serialised", 220_000),
+              (1, "tagged", 240_000)]
+    out = _legs(client, server, range(1, 2))
+    us = [st["us"] for st in out["stages"]]
+    assert out["round_trip_us"] == 500.0 and sum(us) == pytest.approx(500.0)
+    assert us[:4] == [10.0, 20.0, 120.0, 30.0]  # serialise, tag, ZeroMQ there, verify
+    assert us[-1] == 65.0  # the waiting thread wakes
+
+
+def test_bench_comm_through_a_link_without_root_says_so(monkeypatch):
+    from poseidon_cli.main import cli
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    r = CliRunner().invoke(cli, ["bench", "comm", "--bandwidth", "1gbit"])
+    assert r.exit_code == 1
+    assert r.output.strip().splitlines()[-1] == (
+        "poseidon: error: bench comm --bandwidth needs root (network namespaces); run it with "
+        "sudo")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None,
+                    reason="the emulated link needs root and iproute2")
+def test_bench_comm_through_an_emulated_link(tmp_path):
+    """Each end in a namespace of its own, joined by a link shaped to 5 Gbit/s: every peer's
+    stream is held to the link's rate (on loopback they run at several GB/s)."""
+    out = tmp_path / "link.json"
+    done = run("bench", "comm", "--bandwidth", "5gbit", "--sizes", "256K", "--repeats", "1",
+               "--no-gloo", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "one emulated link of 5gbit" in done.stdout
+    [row] = json.loads(out.read_text())["rows"]
+    # tbf lets through 4 ms of traffic at once, and each stream moves 64 MB (about 107 ms at
+    # 625 MB/s): the rate cannot pass the link's by more than a few per cent
+    for rate in (row["tcp_mb_s"], row["poseidon_mb_s"], row["unauthenticated_mb_s"]):
+        assert 0 < rate < 5e9 / 8 / 1e6 * 1.1
 
 
 def test_bench_cluster_without_root_says_so(monkeypatch):
@@ -85,7 +137,7 @@ def test_bench_cluster_real_compute_on_a_small_net(digits_db, tmp_path):  # noqa
 
 
 def test_bench_time_without_torch_times_the_engine_alone(monkeypatch, tmp_path):
-    from engine.perf import bench_time
+    from poseidon_cli.benches import time as bench_time
     from poseidon_cli.main import cli
     monkeypatch.setattr(bench_time, "torch_available", lambda: False)
     out = tmp_path / "time.json"
@@ -104,7 +156,7 @@ def test_bench_time_without_torch_times_the_engine_alone(monkeypatch, tmp_path):
 
 
 def test_bench_time_times_a_given_caffe_on_the_same_net(monkeypatch, tmp_path):
-    from engine.perf import bench_time
+    from poseidon_cli.benches import time as bench_time
     from poseidon_cli.main import cli
     monkeypatch.setattr(bench_time, "torch_available", lambda: False)
     # a stand-in for `caffe time`: checks it was handed a readable net, prints Caffe's lines
@@ -127,7 +179,7 @@ def test_bench_time_times_a_given_caffe_on_the_same_net(monkeypatch, tmp_path):
 
 
 def test_bench_train_poseidon_side(monkeypatch, tmp_path):
-    from engine.perf import bench_time
+    from poseidon_cli.benches import time as bench_time
     from poseidon_cli.main import cli
     monkeypatch.setattr(bench_time, "torch_available", lambda: False)
     out = tmp_path / "train.json"

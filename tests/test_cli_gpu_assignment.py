@@ -8,9 +8,9 @@ import io
 
 import pytest
 
-from engine.comm.hosts import parse_hosts_text
 from poseidon_cli.launch import launcher, tables
 from poseidon_cli.launch.config import JobConfig
+from poseidon_cli.launch.hostfile import parse_hosts_text
 from poseidon_cli.launch.tables import resolve
 from poseidon_cli.train_cmd import parse_gpus
 from tests.test_cli_caffe_habits import run

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.comm.hosts import HostsError, parse_hosts
+from engine.comm.hosts import HostsError
+from poseidon_cli.launch.hostfile import parse_hosts
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -123,3 +123,40 @@ def test_slots_price_two_levels():
     assert p2["speedup"] > 1.3 * p1["speedup"], (p2, p1)
     bad = run("simulate", "--model", S4, "--estimate", "--workers", "6", "--slots", "4")
     assert bad.returncode == 1 and "not a multiple of --slots 4" in bad.stderr
+
+
+def test_measured_communication_from_a_trace(tmp_path):
+    """A distributed run's trace with comm_ms per layer and its measured iteration: simulate
+    --measured-comm prices the layers by those times, prints the measured iteration beside the
+    recurrence's, and refuses what it cannot use with one line."""
+    net = "models/digits_lenet/deploy.prototxt"
+    timed = run("time", "--model", net, "--iterations", "1", "--json")
+    trace = json.loads(timed.stdout)
+    trace.update(format="poseidon-layer-trace", version=1, batch=1, workers=4,
+                 iteration_ms=1000.0)
+    for layer in trace["layers"]:
+        layer.update(forward_ms=0.0, backward_ms=10.0)
+        if layer["type"] in ("Convolution", "InnerProduct"):
+            layer["comm_ms"] = 100.0
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(trace))
+    n_comm = sum("comm_ms" in l for l in trace["layers"])
+    done = run("simulate", "--model", net, "--trace", str(path), "--measured-comm", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    [four] = [p for p in report["predictions"] if p["workers"] == 4]
+    # backward (10 ms a layer) releases ip2 at 20 ms, behind prob; from then on the layers with
+    # parameters hold the network 100 ms each in turn (each is released before the one
+    # before it is done), the last one ending 20 + 100 n ms after backward began; the next
+    # iteration's forward (0 ms) waits for it
+    assert n_comm == 4
+    want = (20 + 100 * n_comm) / 1e3
+    assert four["scheme"] == "measured" and four["iteration_s"] == pytest.approx(want)
+    assert report["measured"]["error"] == pytest.approx(want / 1.0 - 1)
+    text = run("simulate", "--model", net, "--trace", str(path), "--measured-comm")
+    assert f"the recurrence on the measured times {want * 1e3:.2f} ms" in text.stdout
+    del trace["workers"]
+    path.write_text(json.dumps(trace))
+    bad = run("simulate", "--model", net, "--trace", str(path), "--measured-comm")
+    lines = bad.stderr.strip().splitlines()
+    assert bad.returncode == 1 and len(lines) == 1 and "'workers' must say how many" in lines[0]

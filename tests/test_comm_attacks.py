@@ -32,8 +32,8 @@ def layout_of(solver: Path) -> list:
     """The chunk table every worker of a 2-worker hybrid run computes (the attacker can too)."""
     from engine.comm.bind import describe_net
     from engine.comm.codecs import Codec
-    from engine.comm.planner import make_plan
-    from engine.comm.schemes.base import Unit
+    from engine.comm.planner import PlanOptions, make_plan
+    from engine.comm.units import Unit
     from engine.comm.schemes.ps import make_layout, unit_vectors
     from engine.context import RunContext
     from engine.solver import Solver
@@ -41,8 +41,9 @@ def layout_of(solver: Path) -> list:
     s = Solver(solver, context=RunContext(rank=0, world_size=2))
     try:
         slots, infos = describe_net(s.net)
+        planned = make_plan(infos, 2, PlanOptions(comm="hybrid"))
         units = [Unit([slots[l] for l in layers], scheme)
-                 for layers, scheme in make_plan(infos, 2, comm="hybrid").units if scheme == "ps"]
+                 for layers, scheme in planned.units if scheme == "ps"]
         return make_layout(unit_vectors(units, Codec().vectors, "<f4"), 2)
     finally:
         s.close()

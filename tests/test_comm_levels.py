@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.comm.hosts import free_base_port, parse_hosts_text
+from poseidon_cli.launch.hostfile import free_base_port, parse_hosts_text
 from tests.test_comm_ring import SHAPES, exact_mean, run
 
 K, M, N = 3, 6, 5

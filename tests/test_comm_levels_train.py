@@ -10,9 +10,17 @@ import json
 
 import pytest
 
-from engine.comm.hosts import free_base_port
-from tests.test_comm_train import (BOUND, ITERS, digits_db, digits_net, poseidon,  # noqa: F401
-                                   relative_distance, weights, write_run)
+from poseidon_cli.launch.hostfile import free_base_port
+from tests.test_comm_train import (  # noqa: F401
+    BOUND,
+    ITERS,
+    digits_db,
+    digits_net,
+    poseidon,
+    relative_distance,
+    weights,
+    write_run,
+)
 
 BATCH = 8  # per worker
 

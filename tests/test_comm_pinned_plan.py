@@ -5,11 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.caffe_io import FormatError, array_to_blob, read_solverstate, write_solverstate
-from engine.comm.plan_file import plan_text, read_plan, recorded_plan, write_plan
-from engine.comm.planner import LayerInfo, PlanMismatch, make_plan, pin_plan
-from engine.pb import caffe_pb2
+from engine.caffe_io import (
+    FormatError,
+    array_to_blob,
+    read_solverstate,
+    write_solverstate,
+)
+from engine.comm.cost import LayerInfo
 from engine.comm.link import Link
+from engine.comm.plan_file import plan_text, read_plan, recorded_plan, write_plan
+from engine.comm.planner import PlanMismatch, PlanOptions, make_plan, pin_plan
+from engine.pb import caffe_pb2
 
 CONV = LayerInfo(1, "conv1", [(8, 1, 3, 3), (8,)])
 IP1 = LayerInfo(3, "ip1", [(256, 512), (256,)], factors=(16, 512, 256))
@@ -22,7 +28,7 @@ FAST = Link(5e-3, 8e-11, "given: 100gbit@5ms")
 
 
 def plan(link: Link, world: int = 2, **kw):
-    return make_plan(LAYERS, world, link=link, fusion_bytes=4 << 20, **kw)
+    return make_plan(LAYERS, world, PlanOptions(link=link, fusion_bytes=4 << 20, **kw))
 
 
 def test_two_links_plan_differently_and_a_pinned_plan_keeps_its_own():
@@ -56,7 +62,7 @@ def test_sfb_is_refused_where_iter_size_forbids_it():
     recorded = plan(SLOW).to_pb()
     assert any(u.scheme == "sfb" for u in recorded.units)
     with pytest.raises(PlanMismatch, match="cannot be synchronised by sfb"):
-        pin_plan(recorded, LAYERS, 2, allow_sfb=False)
+        pin_plan(recorded, LAYERS, 2, PlanOptions(allow_sfb=False))
 
 
 def test_the_plan_file_round_trips_without_its_nonce(tmp_path):
@@ -104,7 +110,8 @@ def test_the_summary_and_the_reason_name_what_was_chosen():
                                     for ls, s in p.units)
     assert "auto: the fastest scheme per layer" in p.why() and "0.10 Gbit/s" in p.why()
     assert plan(SLOW, comm="ring").why() == "--comm ring: wherever the layer allows it, else PS"
-    many = make_plan([LayerInfo(i, f"l{i}", [(4,)]) for i in range(12)], 2, comm="ps", link=SLOW)
+    many = make_plan([LayerInfo(i, f"l{i}", [(4,)]) for i in range(12)], 2,
+                     PlanOptions(comm="ps", link=SLOW))
     assert many.summary().endswith("; and 4 more units")
     assert np.isfinite(p.layers[0].predicted_s)
 

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import pytest
 
+from engine.comm.cost import (
+    Device,
+    LayerInfo,
+    cost_ps_node,
+    cost_ps_worker,
+    cost_ring,
+    cost_sfb,
+)
 from engine.comm.fusion import buckets
-from engine.comm.planner import (LayerInfo, cost_ps_node, cost_ps_worker, cost_ring, cost_sfb,
-                                 make_plan, plan_layers, plan_table)
-from engine.comm.schemes.base import Device
-from engine.comm.schemes.ps import PSParam, make_layout
 from engine.comm.link import Link
+from engine.comm.planner import PlanOptions, make_plan, plan_layers, plan_table
+from engine.comm.schemes.ps import PSParam, make_layout
 
 
 def fc(name, m, n, k, bias=False):
@@ -124,8 +130,8 @@ def test_plan_travels_as_protobuf_and_prints_its_predictions():
     conv = LayerInfo(1, "conv1", [(20, 1, 5, 5), (20,)])
     conv2 = LayerInfo(2, "conv2", [(50, 20, 5, 5), (50,)])
     fc3 = LayerInfo(3, "fc", [(500, 800)], (64, 800, 500))
-    plan = make_plan([conv, conv2, fc3], 4, comm="ring", link=TEN_GBE, fusion_bytes=1 << 21,
-                     codec="fp16")
+    plan = make_plan([conv, conv2, fc3], 4, PlanOptions(comm="ring", link=TEN_GBE,
+                                                         fusion_bytes=1 << 21, codec="fp16"))
     msg = plan.to_pb()
     assert [(list(u.layers), u.scheme) for u in msg.units] == [([3, 2, 1], "ring")]
     assert msg.codec == "fp16" and msg.alpha_s == pytest.approx(50e-6)
@@ -146,8 +152,8 @@ def test_auto_gives_a_run_of_small_layers_one_dense_scheme():
     for alpha_us in range(50, 400, 10):
         for gbit in (0.8, 1.0, 1.2, 1.5, 2.0, 5.0, 10.0):
             link = Link(alpha_us * 1e-6, 8 / (gbit * 1e9), "grid")
-            plan = make_plan(conv, 4, "auto", link=link, device=device, fusion_bytes=4 << 20)
+            plan = make_plan(conv, 4, PlanOptions(link=link, device=device, fusion_bytes=4 << 20))
             assert len(plan.units) == 1, (alpha_us, gbit, [(p.info.name, p.scheme) for p in plan.layers])
-            unfused = make_plan(conv, 4, "auto", link=link, device=device)
+            unfused = make_plan(conv, 4, PlanOptions(link=link, device=device))
             mixed_unfused += len({p.scheme for p in unfused.layers}) > 1
     assert mixed_unfused > 0  # the grid does reach the links where per-layer choices differ

@@ -61,10 +61,12 @@ def test_two_runs_pinned_to_one_plan_give_the_same_bits_whatever_the_link(digits
     train("--solver", str(solvers[0]), "--hosts", str(hosts), "--link", "100mbit@5ms")
     plan = tmp_path / "a_plan.prototxt"
     assert "sfb" in plan.read_text()  # the slow link's plan sends the factors
-    for solver, link in zip(solvers[1:], ("100gbit@5ms", "100mbit@5ms")):
+    for solver, link, verbose in zip(solvers[1:], ("100gbit@5ms", "100mbit@5ms"), ([], ["-v"])):
         log = train("--solver", str(solver), "--hosts", str(hosts), "--link", link,
-                    "--plan", str(plan))
+                    "--plan", str(plan), *verbose)
         assert f"(pinned by --plan {plan})" in log
+        # the plan's whole table only with -v (the one-line summary always)
+        assert ("Plan table: 2 workers" in log) == bool(verbose)
     same_bits(tmp_path / "a_iter_6.caffemodel", tmp_path / "b_iter_6.caffemodel")
     same_bits(tmp_path / "a_iter_6.caffemodel", tmp_path / "c_iter_6.caffemodel")
 

@@ -14,10 +14,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from engine.comm.planner import LayerInfo, make_plan
-from engine.comm.schemes.base import OVERFLOW_BIT
+from engine.comm.cost import LayerInfo
+from engine.comm.planner import PlanOptions, make_plan
 from engine.comm.shard import ShardServer
 from engine.comm.syncer import LayerSlot, ParamSlot, Syncer, open_worker
+from engine.pb import poseidon_pb2 as pb
 from tests.test_comm_transport import KEY, local_hosts
 
 #: odd sizes, a layer smaller than P, an empty one, and a two-parameter layer
@@ -66,8 +67,9 @@ def run(world: int, comm: str, rounds: int = 2, chunk_bytes: int = 64, fusion_by
             ep = open_worker(rank, hosts, key=KEY, timeout=10, shards=shards)
             sync = Syncer(ep, slots, update, chunk_bytes=chunk_bytes, levels=levels,
                           planner=lambda link, local_link: make_plan(
-                              infos, world, comm, link=link, chunk_bytes=chunk_bytes, codec=wire,
-                              fusion_bytes=fusion_bytes, **(plan or {})))
+                              infos, world, PlanOptions(
+                                  comm=comm, link=link, chunk_bytes=chunk_bytes, codec=wire,
+                                  fusion_bytes=fusion_bytes, **(plan or {}))))
             for rnd in range(rounds):
                 for l in shapes:
                     sync.wait(l)
@@ -162,8 +164,8 @@ def test_allreduce_byte_counters(comm, world):
 def test_halving_doubling_takes_two_log_p_steps_where_ring_takes_two_p_minus_two():
     """The point of the scheme: 8 workers, one small layer; every worker sends 2·log2(8) = 6
     messages per round (ring: 14), and the planner prices it at ring's price less 8 latencies."""
-    from engine.comm.planner import plan_layers
     from engine.comm.link import Link
+    from engine.comm.planner import plan_layers
 
     shapes = {0: [(64,)]}
     for comm, messages in (("hd", 6), ("ring", 14)):
@@ -238,15 +240,15 @@ def test_fp16_overflow_skips_the_update_everywhere_and_halves_the_scale():
         assert sorted(seen) == [(0, 0), (0, 1)]
         for key in seen:
             np.testing.assert_array_equal(seen[key][0], np.full(4, 300.0, np.float32))
-    assert OVERFLOW_BIT == 4
+    assert pb.REQUEST_OVERFLOW == 4
 
 
 @pytest.mark.parametrize("world", range(1, 17))
 def test_halving_doubling_schedules_pair_up_and_own_every_value_once(world):
     """Every step a worker sends is the step its partner receives, piece for piece; the ranges
     whose sums the workers form cover the vector exactly once; 2·log2(q) steps (+2 folded)."""
-    from engine.comm.schemes.base import split
     from engine.comm.schemes.halving_doubling import schedule
+    from engine.comm.units import split
 
     count = 1001
 
@@ -272,9 +274,9 @@ def test_halving_doubling_checks_sender_step_piece_and_shape():
     """The receive thread's check, before a byte is used: only this step's partner, a step this
     worker receives, a piece that exists, the piece's length and the wire dtype."""
     from engine.comm.codecs import Codec
-    from engine.comm.schemes.base import Unit
     from engine.comm.schemes.halving_doubling import HalvingDoubling
     from engine.comm.transport import Message
+    from engine.comm.units import Unit
     from engine.pb import poseidon_pb2 as pb
 
     slot = LayerSlot(0, "l0", [ParamSlot(0, "l0/0", SimpleNamespace(diff=np.zeros(40, np.float32)),

@@ -18,12 +18,11 @@ import pytest
 
 from engine.comm.aggregate import ChunkSum, pin, sum_in_rank_order
 from engine.comm.errors import CommError
-from engine.comm.schemes.base import OVERFLOW_BIT, SNAPSHOT_BIT
 from engine.comm.schemes.ps import PSParam, make_layout
 from engine.comm.shard import DEFAULT_THREADS, ShardServer
 from engine.comm.transport import Message, header, message_key
 from engine.pb import poseidon_pb2 as pb
-from engine.perf.bench_shard import SHARD0, push, synthetic_worker, take_sums
+from poseidon_cli.benches.shard import SHARD0, push, synthetic_worker, take_sums
 from poseidon_cli.launch.config import JobConfig
 from poseidon_cli.launch.shard import shard_command
 from tests.test_comm_train import digits_db, poseidon, weights, write_hosts, write_run  # noqa: F401
@@ -168,10 +167,10 @@ def test_an_fp16_sum_that_overflows_raises_the_bit(threads):
         big, small = np.full(8, 40000, np.float16), np.full(8, 1.5, np.float16)
         for r, ep in rig.eps.items():
             push(ep, chunks[0], 0, big)
-            push(ep, chunks[1], 0, small, request=SNAPSHOT_BIT if r == 1 else 0)
+            push(ep, chunks[1], 0, small, request=pb.REQUEST_SNAPSHOT if r == 1 else 0)
         overflowed, fine = take_sums(rig.eps[0], chunks, 0)
-        assert overflowed.header.request & OVERFLOW_BIT and np.isinf(overflowed.arrays[0]).all()
-        assert fine.header.request == SNAPSHOT_BIT and (fine.arrays[0] == 3.0).all()
+        assert overflowed.header.request & pb.REQUEST_OVERFLOW and np.isinf(overflowed.arrays[0]).all()
+        assert fine.header.request == pb.REQUEST_SNAPSHOT and (fine.arrays[0] == 3.0).all()
     finally:
         rig.close()
     assert rig.error is None, rig.error

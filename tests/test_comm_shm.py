@@ -13,9 +13,10 @@ import os
 import numpy as np
 import pytest
 
-from engine.comm.hosts import free_base_port, parse_hosts_text
-from engine.comm.planner import LayerInfo, plan_layers
+from engine.comm.cost import LayerInfo
+from engine.comm.planner import plan_layers
 from engine.comm.schemes.shm import PARALLEL_BYTES, SHM_DIR, Shm
+from poseidon_cli.launch.hostfile import free_base_port, parse_hosts_text
 from tests.test_comm_ring import SHAPES, exact_mean, run
 
 pytestmark = pytest.mark.skipif(not Shm.available(), reason=f"needs a writable {SHM_DIR}")
@@ -64,7 +65,7 @@ def test_shm_fuses_and_composes_with_the_sparse_codec():
             for j, w in enumerate(arrays):
                 np.testing.assert_allclose(fused[1][0][(l, rnd)][j], w, rtol=1e-5, atol=1e-6)
     shapes = {0: [(4096,)], 1: [(300,)]}
-    sparse = {"sparse_ratio": 0.25, "sparse_warmup": 1}
+    sparse = {"sparse": (0.25, 1, 0.0)}
     by_shm = run(3, "shm", rounds=3, shapes=shapes, wire="sparse", hosts=one_machine(3),
                  plan={"machines": 1, **sparse})
     by_ring = run(3, "ring", rounds=3, shapes=shapes, wire="sparse", chunk_bytes=1 << 20,

@@ -16,14 +16,23 @@ import pytest
 from click.testing import CliRunner
 
 from engine.comm.codecs import SparseCodec, make_codec
-from engine.comm.planner import LayerInfo, make_plan, plan_table
+from engine.comm.cost import LayerInfo
+from engine.comm.planner import PlanOptions, make_plan, plan_table
 from engine.solver import Solver
 from engine.solvers import SolverError
 from poseidon_cli.launch.config import JobConfig
 from poseidon_cli.main import cli
 from tests.test_comm_ring import grads, run
-from tests.test_comm_train import (BOUND, ITERS, TOTAL_BATCH, digits_db, poseidon,  # noqa: F401
-                                   weights, write_hosts, write_run)
+from tests.test_comm_train import (  # noqa: F401
+    BOUND,
+    ITERS,
+    TOTAL_BATCH,
+    digits_db,
+    poseidon,
+    weights,
+    write_hosts,
+    write_run,
+)
 from tests.test_train import InlineSync, params, tiny, train, write_solver  # noqa: F401
 
 C = SparseCodec.CHUNK
@@ -93,7 +102,7 @@ def reenact(world: int, rounds: int, warmup: int, momentum: float) -> dict:
 
 def sparse_run(world: int, comm: str, rounds: int, warmup: int, momentum: float) -> dict:
     return run(world, comm, rounds=rounds, chunk_bytes=1 << 20, wire="sparse", shapes=SHAPES,
-               plan=dict(sparse_ratio=RATIO, sparse_warmup=warmup, sparse_momentum=momentum))
+               plan=dict(sparse=(RATIO, warmup, momentum)))
 
 
 def applied(res: dict, rank: int, layer: int, rnd: int) -> np.ndarray:
@@ -161,8 +170,7 @@ def test_bytes_are_the_chosen_fraction_plus_one_norm_per_chunk(comm):
 
 def test_codec_settings_are_checked_and_travel_in_the_plan():
     infos = [LayerInfo(1, "conv", [(20, 1, 5, 5), (20,)]), LayerInfo(2, "fc", [(500, 800)])]
-    plan = make_plan(infos, 4, comm="ring", codec="sparse", sparse_ratio=0.1, sparse_warmup=50,
-                     sparse_momentum=0.9)
+    plan = make_plan(infos, 4, PlanOptions(comm="ring", codec="sparse", sparse=(0.1, 50, 0.9)))
     msg = plan.to_pb()
     codec = make_codec(msg.codec, msg)
     assert isinstance(codec, SparseCodec)

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 from engine.comm.codecs import Codec
-from engine.comm.planner import LayerInfo, cost_ps_node, cost_ps_worker, cost_sfb, make_plan
-from engine.comm.schemes.base import Unit
+from engine.comm.cost import LayerInfo, cost_ps_node, cost_ps_worker, cost_sfb
+from engine.comm.planner import PlanOptions, make_plan
 from engine.comm.schemes.ps import make_layout, unit_vectors
 from engine.comm.shard import ShardServer
 from engine.comm.syncer import LayerSlot, ParamSlot, Syncer, open_worker
+from engine.comm.units import Unit
 from tests.test_comm_transport import KEY, local_hosts
 
 K, M, N = 4, 6, 8
@@ -46,7 +47,7 @@ def _infos():
 
 def _plan(world: int, scheme: str, chunk_bytes: int, link=None):
     """Layer 1 (the FC layer) by ``scheme``, the others by PS."""
-    return make_plan(_infos(), world, comm=scheme, link=link, chunk_bytes=chunk_bytes)
+    return make_plan(_infos(), world, PlanOptions(comm=scheme, link=link, chunk_bytes=chunk_bytes))
 
 
 def _layout(world: int, chunk_bytes: int, scheme: str = "ps"):

@@ -7,14 +7,18 @@ import numpy as np
 import pytest
 import zmq
 
-from engine.comm.hosts import (DEFAULT_PORT, HostsError, free_base_port, parse_hosts,
-                               parse_hosts_text)
 from engine.comm.auth import Signer
 from engine.comm.errors import CommError
+from engine.comm.hosts import HostsError
 from engine.comm.transport import SHARD, WORKER, Endpoint, header, message_key
 from engine.pb import poseidon_pb2 as pb
+from poseidon_cli.launch.hostfile import (
+    DEFAULT_PORT,
+    free_base_port,
+    parse_hosts,
+    parse_hosts_text,
+)
 from tests.conftest import shared_path
-
 
 KEY = bytes(range(32))
 

@@ -18,7 +18,8 @@ from engine.data import converters
 from engine.data.datum import DataError, array_to_datum, datum_to_array, encode_image, parse_datum
 from engine.data.lmdb_source import open_db, write_lmdb
 from engine.data.prefetch import Prefetcher
-from engine.data.transformer import DataTransformer, read_mean_file, write_mean_file
+from engine.data.transformer import (DataTransformer, crop_draws, read_mean_file,
+                                     write_mean_file)
 from engine.layers.base import LayerError, create_layer
 from engine.pb import caffe_pb2
 from tests.conftest import ROOT, shared_path
@@ -195,18 +196,45 @@ def test_transformer_mean_file_before_centre_crop(tmp_path: Path) -> None:
     assert t.output_shape((2, 6, 6)) == (2, 4, 4)
 
 
-def test_transformer_random_crop_and_mirror_follow_the_generator() -> None:
+def test_transformer_random_crop_and_mirror_follow_the_draws() -> None:
     img = np.arange(3 * 5 * 5, dtype=np.uint8).reshape(1, 3, 5, 5)
     t = DataTransformer(transform_param("crop_size: 3 mirror: true"), "TRAIN")
-    out = t.transform(img, [np.random.default_rng(7)])
-    g = np.random.default_rng(7)
-    flip, h0, w0 = bool(g.integers(2)), int(g.integers(3)), int(g.integers(3))
-    crop = img[0, :, h0:h0 + 3, w0:w0 + 3].astype(np.float32)
-    np.testing.assert_array_equal(out[0], crop[:, :, ::-1] if flip else crop)
-    np.testing.assert_array_equal(out, t.transform(img, [np.random.default_rng(7)]))
-    # over many draws both mirror states and several offsets occur
-    outs = {t.transform(img, [np.random.default_rng(s)]).tobytes() for s in range(40)}
-    assert len(outs) > 5
+    draws = crop_draws(7, np.arange(40))
+    for i in range(40):
+        word = [int(v) for v in draws[i]]
+        flip = bool(word[0] >> 63)
+        h0, w0 = ((word[1] >> 32) * 3) >> 32, ((word[2] >> 32) * 3) >> 32
+        crop = img[0, :, h0:h0 + 3, w0:w0 + 3].astype(np.float32)
+        np.testing.assert_array_equal(t.transform(img, draws[i:i + 1])[0],
+                                      crop[:, :, ::-1] if flip else crop)
+    # the words are a function of (seed, index) alone; over 40 indices every offset and
+    # both mirror states occur
+    np.testing.assert_array_equal(crop_draws(7, np.arange(20, 40)), draws[20:])
+    assert not np.array_equal(crop_draws(8, np.arange(40)), draws)
+    outs = {t.transform(img, draws[i:i + 1]).tobytes() for i in range(40)}
+    assert len(outs) > 10
+    assert {bool(int(w) >> 63) for w in draws[:, 0]} == {False, True}
+
+
+def test_transformer_mirrored_random_crop_indexes_the_mean_file_at_input_positions(tmp_path):
+    rng = np.random.default_rng(2)
+    img = rng.integers(0, 256, (1, 3, 7, 9), dtype=np.uint8)
+    mean = rng.uniform(0, 255, (3, 7, 9)).astype(np.float32)
+    write_mean_file(tmp_path / "m.binaryproto", mean)
+    t = DataTransformer(transform_param('crop_size: 4 mirror: true scale: 0.5 mean_file: "m"'),
+                        "TRAIN", tmp_path / "m.binaryproto")
+    draws = crop_draws(3, np.arange(30))
+    seen = set()
+    for i in range(30):
+        word = [int(v) for v in draws[i]]
+        flip = bool(word[0] >> 63)
+        h0, w0 = ((word[1] >> 32) * 4) >> 32, ((word[2] >> 32) * 6) >> 32
+        # Caffe: top[c, h, W-1-w] = (pixel[c, h0+h, w0+w] - mean[c, h0+h, w0+w]) * scale
+        x = (img[0].astype(np.float32) - mean)[:, h0:h0 + 4, w0:w0 + 4] * np.float32(0.5)
+        np.testing.assert_array_equal(t.transform(img, draws[i:i + 1])[0],
+                                      x[:, :, ::-1] if flip else x)
+        seen.add((flip, w0 == 0))
+    assert (True, True) in seen  # a mirrored crop at column 0 (the slice that ends at None)
 
 
 def test_transformer_errors(tmp_path: Path) -> None:
@@ -392,10 +420,21 @@ def test_empty_and_corrupt_lmdb(tmp_path: Path) -> None:
         data_layer(tmp_path / "empty", 4)
     good = array_to_datum(np.zeros((1, 2, 2), np.uint8)).SerializeToString()
     write_lmdb(tmp_path / "bad", [(b"0", good), (b"1", b"\xff\xff garbage")])
-    layer, tops = data_layer(tmp_path / "bad", 2)
-    with pytest.raises(LayerError, match=r"corrupt record 1 \(key b'1'\) in .*bad"):
+    layer, tops = data_layer(tmp_path / "bad", 2, extra="strict: true")
+    with pytest.raises(LayerError, match=r"corrupt record 1 \(key b'1', stream position 1\) "
+                                         r"in .*bad: not a serialized Datum"):
         layer.forward([], tops)
     layer.close()
+    # the only readable record stands in; a database of none stops the run all the same
+    layer, tops = data_layer(tmp_path / "bad", 2)
+    layer.forward([], tops)
+    np.testing.assert_array_equal(tops[0].data, np.zeros((2, 1, 2, 2)))
+    assert layer.stats.skipped == 1
+    layer.close()
+    write_lmdb(tmp_path / "worse", [(b"0", b"\xff\xff"), (b"1", b"\xff\xff garbage")])
+    with pytest.raises(LayerError, match=r"corrupt record 0 .*no other record of .*worse can be "
+                                         r"read either"):
+        data_layer(tmp_path / "worse", 2)
 
 
 def test_wrong_shape_mean_file_and_leveldb(small_db, tmp_path: Path) -> None:
@@ -456,10 +495,18 @@ def test_image_data_layer(tmp_path: Path) -> None:
     sh2, stops2 = make_layer(text.format(extra="shuffle: true batch_size: 5"), "TRAIN", base=tmp_path)
     assert [tuple(b[1]) for b in run(sh2, stops2, 4)] == passes
     (tmp_path / "list.txt").write_text("p0.png 1\nmissing.png 2\n")
+    # a missing image: the next line's takes its row; with strict, the run stops naming it
     bad, btops = make_layer(text.format(extra="batch_size: 2"), "TEST", base=tmp_path)
-    with pytest.raises(LayerError, match=r"layer 'img' \(ImageData\): cannot read image .*missing"):
-        bad.forward([], btops)
-    for l in (layer, grey, sh, sh2, bad):
+    bad.forward([], btops)
+    np.testing.assert_array_equal(btops[0].data[1], images[0].astype(np.float32) * 0.5)
+    np.testing.assert_array_equal(btops[1].data, [1, 1])
+    strict = text.format(extra="batch_size: 2") + " data_param { strict: true }"
+    bad2, btops2 = make_layer(strict, "TEST", base=tmp_path)
+    with pytest.raises(LayerError, match=r"layer 'img' \(ImageData\): image missing.png "
+                                         r"\(.*list.txt:2, stream position 1\): cannot read "
+                                         r"image .*missing.png.*\(data_param.strict\)"):
+        bad2.forward([], btops2)
+    for l in (layer, grey, sh, sh2, bad, bad2):
         l.close()
 
 

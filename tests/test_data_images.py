@@ -3,6 +3,7 @@ files: the LMDB that the Data layer reads back pixel for pixel, encoded records,
 and the mean against NumPy's."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import lmdb
@@ -218,3 +219,101 @@ def test_data_paths_given_wrong_are_one_line(digits_folder, tmp_path, args, need
     lines = [l for l in out.splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith("poseidon: error: ") and needle in lines[0], out
     assert not (tmp_path / "x").exists() and not Path("x").exists()
+
+
+def make_pngs(folder: Path, n: int) -> Path:
+    """``n`` distinct 6x7 colour PNGs and their list file."""
+    folder.mkdir()
+    rng = np.random.default_rng(11)
+    for i in range(n):
+        Image.fromarray(rng.integers(0, 256, (6, 7, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    (folder / "list.txt").write_text("".join(f"{i}.png {i % 10}\n" for i in range(n)))
+    return folder / "list.txt"
+
+
+def test_an_interrupted_conversion_resumes_to_the_same_lmdb(tmp_path):
+    """A real process, stopped by SIGINT part way, then run again: the same records as a
+    conversion that ran through. The 601st image is a FIFO that gives nothing until the
+    process has ended, so the run stalls there (in its third chunk) and the interruption
+    lands after a whole number of chunks."""
+    import errno
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from engine.data.imageset import CHUNK, partial_path
+    from tests.conftest import ROOT
+
+    n = 800
+    list_file = make_pngs(tmp_path / "img", n)
+    args = ["images", "--list", str(list_file), "--root", str(tmp_path / "img"),
+            "--resize-height", "9", "--resize-width", "8", "--shuffle", "--decoders", "2"]
+    assert poseidon_data(*args, "--out", tmp_path / "clean")[0] == 0
+
+    order = np.random.default_rng(0).permutation(n)  # --shuffle's order (seed 0)
+    png = tmp_path / "img" / f"{order[600]}.png"
+    saved = png.read_bytes()
+    png.unlink()
+    os.mkfifo(png)
+    out = tmp_path / "resumed"
+    cmd = [sys.executable, "-m", "poseidon_cli.main", "data", *args, "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    writer = None
+    try:
+        deadline = time.monotonic() + 120  # liveness bounds, generous for a busy machine
+        while writer is None and time.monotonic() < deadline and proc.poll() is None:
+            try:  # succeeds once a decoder is opening the FIFO: the run has reached it
+                writer = os.open(png, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError as e:
+                assert e.errno == errno.ENXIO
+                time.sleep(0.02)
+        assert writer is not None, "the conversion never reached the stalled image"
+        time.sleep(1.0)  # the writer finishes the chunks before, then waits
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if writer is not None:
+            os.close(writer)
+    assert proc.returncode == 130, err
+    done = int(re.search(rf"interrupted after (\d+) of {n} images", err).group(1))
+    assert done in (CHUNK, 2 * CHUNK) and "run the same command again to continue" in err
+    assert not out.exists() and partial_path(out).is_dir()
+
+    png.unlink()
+    png.write_bytes(saved)
+    code, text = poseidon_data(*args, "--out", out)
+    assert code == 0, text
+    assert f"resuming {out}: {done} of {n} images were done before" in text
+    assert f"wrote {out}: {n} records, 0 bad images skipped" in text
+    assert records(out) == records(tmp_path / "clean")
+    assert not partial_path(out).exists()
+
+
+def test_a_resume_with_other_options_says_why_it_cannot(tmp_path):
+    from engine.data.imageset import PROGRESS, partial_path
+
+    list_file = make_pngs(tmp_path / "img", 5)
+    out = tmp_path / "db"
+    partial = partial_path(out)
+    args = ["images", "--list", list_file, "--root", tmp_path / "img", "--out", out]
+    # an unfinished conversion of the same list, made without --gray
+    assert poseidon_data(*args)[0] == 0
+    progress = {"signature": {}, "next": 2, "written": 2, "skipped": 0, "first_shape": None}
+    from engine.data.imageset import ImagesetOptions, _signature
+    progress["signature"] = _signature(list_file, tmp_path / "img", ImagesetOptions())
+    out.rename(partial)
+    (partial / PROGRESS).write_text(__import__("json").dumps(progress))
+    code, text = poseidon_data(*args, "--gray")
+    assert code == 1
+    assert (f"cannot resume the unfinished conversion in {partial}: it was started with "
+            f"another --gray; pass --force to start over") in text
+    code, text = poseidon_data(*args, "--gray", "--force")
+    assert code == 0 and "wrote" in text and "5 records" in text
+    got = read_back(out, 5)[0]
+    assert got.shape == (5, 1, 6, 7)

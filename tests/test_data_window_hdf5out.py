@@ -13,7 +13,8 @@ from engine import backend
 from engine.blob import Blob
 from engine.context import RunContext
 from engine.data.datum import encode_image
-from engine.data.layers import HDF5OutputLayer, WarpBox, WindowDataLayer, warp_box
+from engine.data.hdf5 import HDF5OutputLayer
+from engine.data.window import WarpBox, WindowDataLayer, warp_box
 from engine.data.transformer import write_mean_file
 from engine.layers.base import LayerError, create_layer, layer_class
 from engine.pb import caffe_pb2
@@ -52,10 +53,11 @@ def pictures(tmp_path: Path) -> list[np.ndarray]:
 
 
 def window_layer(base: Path, params: str = "", transform: str = "crop_size: 4",
-                 phase: str = "TRAIN", prefetch: int = 0, rank: int = 0, world: int = 1):
+                 phase: str = "TRAIN", prefetch: int = 0, rank: int = 0, world: int = 1,
+                 decoders: int = 0):
     text = f"""name: "w" type: "WindowData" top: "data" top: "label"
         transform_param {{ {transform} }}
-        data_param {{ prefetch: {prefetch} }}
+        data_param {{ prefetch: {prefetch} decoders: {decoders} }}
         window_data_param {{ source: "windows.txt" root_folder: "img/" batch_size: 8
                              fg_threshold: 0.7 bg_threshold: 0.3 {params} }}"""
     layer = create_layer(text_format.Parse(text, caffe_pb2.LayerParameter()), phase)

@@ -1,5 +1,5 @@
-"""Property tests: no mutated prototxt, caffemodel, solverstate, binaryproto or wire message
-ends in a crash or a hang, only in a clean one-line error or a valid result (tests/fuzzing.py;
+"""Property tests: no mutated prototxt, caffemodel, solverstate, binaryproto, wire message or
+sequence of a large message's pieces ends in a crash or a hang, only in a clean one-line error or a valid result (tests/fuzzing.py;
 `python -m tests.fuzzing` runs 10,000 cases per target on demand)."""
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from tests.fuzzing import make_targets, outcome
 
-TARGETS = ["prototxt", "caffemodel", "solverstate", "binaryproto", "wire", "wire-auth"]
+TARGETS = ["prototxt", "caffemodel", "solverstate", "binaryproto", "wire", "wire-auth",
+           "wire-pieces"]
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
                                        HealthCheck.too_slow])

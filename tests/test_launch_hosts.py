@@ -6,12 +6,11 @@ import json
 
 import pytest
 
-from engine.comm.hosts import (DEFAULT_PORT, HostsError, machines, parse_hosts_text,
-                               table_from_json, table_json)
+from engine.comm.hosts import HostsError, machines, table_from_json, table_json
 from engine.comm.transport import WORKER, peer_name
-from poseidon_cli.launch.tables import gpus_of
 from poseidon_cli.launch.config import JobConfig
-from poseidon_cli.launch.tables import from_host_list, resolve
+from poseidon_cli.launch.hostfile import DEFAULT_PORT, parse_hosts_text
+from poseidon_cli.launch.tables import from_host_list, gpus_of, resolve
 
 
 def layout(entries):
@@ -112,7 +111,7 @@ def test_a_table_round_trips_as_json_and_a_bad_one_is_named():
 
 
 def test_the_example_of_two_machines_with_four_gpus():
-    from engine.comm.hosts import parse_hosts
+    from poseidon_cli.launch.hostfile import parse_hosts
     from tests.test_comm_train import ROOT
 
     entries = parse_hosts(ROOT / "models" / "hosts" / "two_machines_4gpus.txt")

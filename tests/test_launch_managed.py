@@ -23,9 +23,16 @@ import numpy as np
 import pytest
 
 from engine.comm.auth import KEY_ENV, write_key_file
-from engine.comm.hosts import free_base_port
+from poseidon_cli.launch.hostfile import free_base_port
 from poseidon_cli.launch.managers import derived_port
-from tests.test_comm_faults import DEADLINE, TIMEOUT, children, kill_all, wait_for_line, wait_gone
+from tests.test_comm_faults import (
+    DEADLINE,
+    TIMEOUT,
+    children,
+    kill_all,
+    wait_for_line,
+    wait_gone,
+)
 from tests.test_comm_train import ROOT, digits_db, poseidon, weights, write_run  # noqa: F401
 
 ITERS = 4

@@ -12,7 +12,8 @@ import zmq
 
 from engine.comm.auth import Signer
 from engine.comm.errors import CommError
-from engine.comm.hosts import free_base_port, machines
+from engine.comm.hosts import machines
+from poseidon_cli.launch.hostfile import free_base_port
 from poseidon_cli.launch.managers import Placement
 from poseidon_cli.launch.rendezvous import meet
 

@@ -235,7 +235,7 @@ def test_hosts_files():
         # documentation range (RFC 5737): an example must never reach a real machine
         assert ipaddress.ip_address(host) in ipaddress.ip_network("192.0.2.0/24"), line
         assert not port or 0 < int(port) < 65535
-    from engine.comm.hosts import parse_hosts
+    from poseidon_cli.launch.hostfile import parse_hosts
 
     entries = parse_hosts(hosts / "localhost4.txt")
     assert [(e.rank, e.port, e.shard_port) for e in entries] == [

@@ -34,3 +34,14 @@ def test_a_sampler_reads_at_start_and_end():
     with Sampler(lambda: [next(values)], period=10.0) as s:
         pass
     assert [c for _, c in s.samples] == [[0], [1]]
+
+
+def test_iteration_times_cross_midnight():
+    """A run that crosses midnight: each line is dated by its own glog month and day, so the
+    period between the last iteration of one day and the first of the next is 1 s, not -86399."""
+    from poseidon_cli.benches.cluster import iteration_times
+
+    log = ("I1125 23:59:59.500000 7 solver.py:1] Iteration 4 (1 iter/s, 1s/1 iters), loss = 1\n"
+           "I1126 00:00:00.500000 7 solver.py:1] Iteration 5 (1 iter/s, 1s/1 iters), loss = 1\n")
+    times = iteration_times(log)
+    assert times[5] - times[4] == pytest.approx(1.0)

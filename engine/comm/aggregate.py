@@ -19,8 +19,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from engine import timeline
+from engine.pb import poseidon_pb2 as pb
 
-from .schemes.base import OVERFLOW_BIT
 from .schemes.ps import Chunk
 from .transport import Message
 
@@ -30,16 +30,16 @@ F32 = np.dtype(np.float32)
 
 
 def to_wire(total: np.ndarray, out: np.ndarray) -> int:
-    """Round the float32 ``total`` into ``out`` (the wire's dtype); OVERFLOW_BIT when a value
-    does not fit, else 0."""
+    """Round the float32 ``total`` into ``out`` (the wire's dtype); the REQUEST_OVERFLOW
+    bit when a value does not fit, else 0."""
     with np.errstate(over="ignore", invalid="ignore"):
         np.copyto(out, total, casting="same_kind")
-    return 0 if np.isfinite(out).all() else OVERFLOW_BIT
+    return 0 if np.isfinite(out).all() else pb.REQUEST_OVERFLOW
 
 
 def sum_in_rank_order(pushes: Sequence[Message], wire: np.dtype) -> tuple[np.ndarray, int]:
     """The reference sum (``threads=0``): the P pushes, rank 0 first, in a new float32 array;
-    returns it in the wire's dtype and the request bits (ORed, plus OVERFLOW_BIT)."""
+    returns it in the wire's dtype and the request bits (ORed, plus REQUEST_OVERFLOW)."""
     total = pushes[0].arrays[0].astype(np.float32)
     request = pushes[0].header.request
     for m in pushes[1:]:

@@ -15,8 +15,8 @@ import numpy as np
 
 from engine.factors import FactorSpec, SufficientFactors
 
-from .planner import LayerInfo
-from .schemes.base import LayerSlot, ParamSlot
+from .cost import LayerInfo
+from .units import LayerSlot, ParamSlot
 
 
 def describe_net(net: Any) -> tuple[dict[int, LayerSlot], list[LayerInfo]]:

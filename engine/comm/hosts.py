@@ -1,27 +1,20 @@
 """Host tables: which workers take part in a run, where they listen, and which share a machine.
 
-A hosts file has one *machine* per line (blank lines and ``#`` comments ignored), in one of:
-
-* Poseidon's original ``<id> <ip> <port>`` (ids must be 0..P-1, in any order): one worker;
-* ``<ip>[:<port>]``: one worker;
-* ``<ip>[:<port>] slots=N`` (the MPI / DeepSpeed hostfile convention): N workers.
-
-A line without a port takes DEFAULT_PORT + 2 * (workers listed before it). Worker i of a line
-binds ``port + 2i`` and its parameter-server shard the port after it. Lines without an id take
-the next ranks in file order, so a machine's workers have consecutive ranks.
+A table is built from *machines* (a hosts file's lines, ``-H`` items, poseidon_cli/launch/
+hostfile.py reads them): worker i of a machine binds ``port + 2i`` and its parameter-server
+shard the port after it, and a machine's workers have consecutive ranks.
 
 Each worker is a HostEntry that knows its machine (``machine``: 0.. in the order of each
 machine's lowest rank), its place there (``local_rank``) and how many workers the machine runs
 (``local_size``): what a two-level reduction groups by. A machine is a line, not an address:
 several lines may name one address (a cluster emulated on one box); their ports must not
-overlap. A table built any other way (``-H``, a rendezvous) passes the same checks
+overlap. A table built any way (a file, ``-H``, a rendezvous) passes the same checks
 (``check_table``) and travels between processes as JSON (``table_json`` / ``table_from_json``).
 """
 from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import socket
 from dataclasses import dataclass, field
@@ -30,13 +23,10 @@ from typing import Any, NamedTuple, Sequence
 
 from .errors import CommError
 
-DEFAULT_PORT = 9999
-#: a sanity bound on one machine's workers and on a job's (a typo such as slots=800 is named)
-MAX_SLOTS = 256
+#: a sanity bound on a job's workers
 MAX_WORKERS = 65536
 #: a host name or IPv4 address as it may appear in tcp://host:port
 _HOST = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,252}$")
-_FORMATS = "'<id> <ip> <port>' or '<ip>[:<port>] [slots=N]'"
 
 
 class HostsError(CommError, ValueError):
@@ -95,7 +85,8 @@ def machines(entries: Sequence[HostEntry]) -> list[list[HostEntry]]:
     return out
 
 
-def _parse_port(text: str, where: str) -> int:
+def check_port(text: str, where: str) -> int:
+    """``text`` as a port a worker may bind (its shard takes the next one), or HostsError."""
     try:
         port = int(text)
     except ValueError:
@@ -105,79 +96,17 @@ def _parse_port(text: str, where: str) -> int:
     return port
 
 
-def parse_slots(text: str, where: str) -> int:
-    try:
-        slots = int(text)
-    except ValueError:
-        raise HostsError(f"{where}: slots {text!r} is not a number") from None
-    if not 1 <= slots <= MAX_SLOTS:
-        raise HostsError(f"{where}: slots={slots} out of range 1..{MAX_SLOTS}")
-    return slots
-
-
-def _split_host_port(text: str, where: str) -> tuple[str, int | None]:
-    host, sep, port = text.rpartition(":")
-    if not sep:
-        return text, None
-    if not host:
-        raise HostsError(f"{where}: no host before ':{port}'")
-    return host, _parse_port(port, where)
-
-
-def parse_hosts_text(text: str, name: str = "<hosts>", default_slots: int = 1) -> list[HostEntry]:
-    """Entries ordered by rank; raises HostsError naming ``name`` and the line.
-    ``default_slots``: the workers of a ``<ip>[:<port>]`` line that does not say (--gpus)."""
-    lines: list[tuple[list[int], Machine]] = []  # each line's ranks, and the line
-    taken: dict[int, str] = {}
-    listed = 0  # workers listed before this line
-    for lineno, raw in enumerate(text.splitlines(), 1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        where = f"{name}:{lineno}"
-        fields = line.split()
-        if len(fields) == 3:
-            try:
-                ranks = [int(fields[0])]
-            except ValueError:
-                raise HostsError(f"{where}: id {fields[0]!r} is not a number "
-                                 f"(expected {_FORMATS})") from None
-            m = Machine(fields[1], _parse_port(fields[2], where), 1, where)
-        elif len(fields) in (1, 2):
-            slots = default_slots
-            if len(fields) == 2:
-                key, eq, value = fields[1].partition("=")
-                if key != "slots" or not eq:
-                    raise HostsError(f"{where}: expected {_FORMATS}, got {line!r}")
-                slots = parse_slots(value, where)
-            host, port = _split_host_port(fields[0], where)
-            m = Machine(host, DEFAULT_PORT + 2 * listed if port is None else port, slots, where)
-            ranks = list(range(listed, listed + slots))
-        else:
-            raise HostsError(f"{where}: expected {_FORMATS}, got {line!r}")
-        for r in ranks:
-            if r in taken:
-                raise HostsError(f"{where}: id {r} appears twice (also {taken[r]})")
-            taken[r] = where
-        lines.append((ranks, m))
-        listed += len(ranks)
-    if not lines:
-        raise HostsError(f"{name}: no hosts listed")
-    if sorted(taken) != list(range(len(taken))):
-        raise HostsError(f"{name}: ids must be 0..{len(taken) - 1}, got {sorted(taken)}")
-    return _table(lines, name)
-
-
 def table_of(machine_list: Sequence[Machine], name: str) -> list[HostEntry]:
     """The table of machines listed in order, each taking the next ranks (``-H``)."""
     lines, listed = [], 0
     for m in machine_list:
         lines.append((list(range(listed, listed + m.slots)), m))
         listed += m.slots
-    return _table(lines, name)
+    return table_from_lines(lines, name)
 
 
-def _table(lines: list[tuple[list[int], Machine]], name: str) -> list[HostEntry]:
+def table_from_lines(lines: list[tuple[list[int], Machine]], name: str) -> list[HostEntry]:
+    """The table of machines, each line with the ranks it takes (a hosts file's ids)."""
     lines = sorted(lines, key=lambda rl: min(rl[0]))  # machines numbered by their lowest rank
     entries = []
     for index, (ranks, m) in enumerate(lines):
@@ -260,7 +189,7 @@ def table_from_rows(rows: Any, name: str) -> list[HostEntry]:
         check_fields(row, {"host": str, "port": int, "machine": int, "local_rank": int},
                      f"{name}: worker {i}")
         check_host(row["host"], f"{name}: worker {i}")
-        _parse_port(str(row["port"]), f"{name}: worker {i}")
+        check_port(str(row["port"]), f"{name}: worker {i}")
     sizes: dict[int, int] = {}
     for row in rows:
         sizes[row["machine"]] = sizes.get(row["machine"], 0) + 1
@@ -288,33 +217,6 @@ def check_fields(d: Any, kinds: dict[str, type], what: str) -> None:
 def check_host(host: str, what: str) -> None:
     if not _HOST.match(host):
         raise HostsError(f"{what}: {host[:80]!r} is not a host name or IPv4 address")
-
-
-def parse_hosts(path: str | Path, default_slots: int = 1) -> list[HostEntry]:
-    """The entries of a hosts file; every host name must resolve."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise HostsError(f"cannot read hosts file {p}: {e.strerror}") from None
-    entries = parse_hosts_text(text, str(p), default_slots)
-    check_resolvable(entries)
-    return entries
-
-
-def check_resolvable(entries: list[HostEntry]) -> None:
-    """A name that does not resolve (a typo such as 'localhsot') is named at once: otherwise
-    it passes for a remote machine and the run waits out its whole start-up timeout."""
-    seen: set[str] = set()
-    for e in entries:
-        if e.host in seen:
-            continue
-        seen.add(e.host)
-        try:
-            socket.getaddrinfo(e.host, None)
-        except (OSError, UnicodeError) as err:
-            why = getattr(err, "strerror", None) or str(err)
-            raise HostsError(f"{e.where or 'hosts'}: host {e.host!r} does not resolve ({why})") from None
 
 
 def local_addresses() -> set[str]:
@@ -365,35 +267,3 @@ def port_owner(port: int) -> str | None:
     return None
 
 
-def reserve_ports(n: int, host: str = "127.0.0.1",
-                  avoid: frozenset[int] = frozenset()) -> tuple[int, list[socket.socket]]:
-    """A base port such that base .. base + 2n - 1 are free on ``host``, and the sockets that
-    hold them bound (not listening) until closed: workers of one machine that probe at once
-    cannot draw the same ports. ``avoid``: ports already promised (a rendezvous port).
-
-    Drawn below the kernel's ephemeral range, where outgoing connections cannot take it.
-    """
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 32000 - 2 * n)
-        if avoid.intersection(range(base, base + 2 * n)):
-            continue
-        socks: list[socket.socket] = []
-        try:
-            for p in range(base, base + 2 * n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind((host, p))
-            return base, socks
-        except OSError:
-            for s in socks:
-                s.close()
-    raise HostsError(f"no {2 * n} consecutive free ports on {host} in 20000..32000")
-
-
-def free_base_port(n: int, host: str = "127.0.0.1") -> int:
-    """A base port such that base .. base + 2n - 1 are free on ``host`` now."""
-    base, socks = reserve_ports(n, host)
-    for s in socks:
-        s.close()
-    return base

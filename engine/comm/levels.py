@@ -25,9 +25,11 @@ import numpy as np
 
 from engine.pb import poseidon_pb2 as pb
 
+from .cost import Device, LayerTiming
 from .schemes import Scheme
-from .schemes.base import (DenseScheme, Device, LayerTiming, Unit, arrays_are, split)
+from .schemes.base import DenseScheme, arrays_are
 from .transport import WORKER, Message, PeerId
+from .units import Unit, split
 
 RS, AG = 0, 1
 
@@ -214,33 +216,3 @@ class Levels(DenseScheme):
 
     def close(self) -> None:
         self.inner.close()
-
-
-def shared(link: Any, ways: int) -> Any:
-    """``link`` as each of ``ways`` flows through it at once sees it."""
-    return type(link)(link.alpha_s, link.beta_s_per_byte * ways, f"{link.source} / {ways}")
-
-
-def timing(cls: type[Scheme], info: Any, world: int, slots: int, link: Any, local_link: Any,
-           device: Device, chunk_bytes: int, wire_itemsize: int) -> LayerTiming:
-    """The cost of one layer by ``cls`` on ``world`` workers, ``slots`` per machine: flat when
-    one per machine; else, for a dense scheme, the local reduce-scatter and all-gather over
-    ``local_link`` around the network scheme on 1/slots of the layer among the machines."""
-    if slots <= 1 or world <= slots:
-        return cls.timing(info, world, link, device, chunk_bytes, wire_itemsize)
-    machines = world // slots
-    if not cls.dense:
-        return cls.timing_levels(info, machines, slots, link, local_link, device)  # type: ignore[attr-defined]
-    from .planner import LayerInfo
-
-    part = LayerInfo(info.layer, info.name, [(-(-info.params // slots),)], None, info.itemsize)
-    # the k owners of a machine send their parts at once through its one network link
-    net = cls.timing(part, machines, shared(link, slots), device, chunk_bytes, wire_itemsize)
-    share = (slots - 1) / slots * info.params * info.itemsize
-    local = local_link.alpha_s + local_link.beta_s_per_byte * share
-    adds = share / device.add_bytes_per_s
-    update = device.update_s(info.params * info.itemsize)
-    return LayerTiming(info.name, cls.name, net.bytes_sent, net.bytes_received, net.up_s,
-                       net.down_s, local + adds + net.lag_s, net.tail_s + local,
-                       net.reduce_s - net.update_s * (not device.update_on_device) + (
-                           0.0 if device.update_on_device else update), update)

@@ -3,16 +3,20 @@
 ``alpha`` is the per-message latency and ``beta`` the inverse bandwidth, as in the cost models
 of the Poseidon and S-SGD DAG papers. A link is given on the command line as a bandwidth and a
 latency, or read from the JSON that `poseidon bench comm` writes after fitting both
-(``poseidon-link`` version 1)::
+(``poseidon-link`` version 1; ``unfair`` optional)::
 
     {"format": "poseidon-link", "version": 1, "alpha_s": 8.1e-05,
      "beta_s_per_byte": 8.3e-10, "source": "poseidon bench comm, loopback, 2026-11-23"}
+
+Many TCP flows through one side of a link do not share it fairly, and a round that needs all
+of them (a PS shard's sum needs every push of its chunk; a worker, every sum) ends with the
+slowest: ``unfair`` prices that (``slowdown``).
 """
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +29,16 @@ _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[-+]?\d+)?)\s*([kKmMgGtT]?)(GbE|bit
 _SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
 
+#: The emulated cluster's links (engine/perf/netns.py, 2026-11-25): every host sending 3.2 MB
+#: to every other at once over open TCP connections, 4 rounds, the slowest flow into a host
+#: ended 0.99-1.02x its fair time with 1 flow per side, 1.15-1.29x with 3 (P = 4) and
+#: 1.16-1.30x with 7 (P = 8, 200 Mbit/s; 1.20-1.29x at 83 Mbit/s), the fastest at 0.4-0.6x:
+#: medians 1.20 at 3 flows and 1.22-1.26 at 7, which unfair = 0.26-0.30 fits. A PS round is
+#: less synchronised than that all-to-all (its chunks differ in size and start as backward
+#: releases them): its rows in bench cluster fit 0.2 at 10 GbE. 0.25 is between.
+UNFAIR_MEASURED = 0.25
+
+
 class LinkError(ValueError):
     """A link that cannot be used; the message says which value and why."""
 
@@ -34,6 +48,20 @@ class Link:
     alpha_s: float
     beta_s_per_byte: float
     source: str = ""
+    #: 0: flows sharing a side share it fairly; else see ``slowdown``
+    unfair: float = 0.0
+    #: how many of a node's peers are on one host (flat workers of a machine): flows between
+    #: the same two hosts take the same path and share it fairly
+    peers_per_host: float = 1.0
+
+    def slowdown(self, peers: float) -> float:
+        """How many times its fair share of the time the slowest flow through one side takes
+        when a node talks to ``peers`` peers at once (PS and SFB: P-1; ring and hd: 1):
+        flows from n different hosts share it unfairly, ``1 + unfair * (1 - 1/n)`` (measured:
+        UNFAIR_MEASURED); flows between the same two hosts fairly (two levels: a machine's
+        owners all talk to the same other machines)."""
+        n = peers / self.peers_per_host
+        return 1.0 + self.unfair * (1.0 - 1.0 / n) if n > 1 else 1.0
 
     def time(self, nbytes: float) -> float:
         """Seconds to move ``nbytes`` as one message (0 bytes cost nothing)."""
@@ -44,22 +72,24 @@ class Link:
         return 8.0 / self.beta_s_per_byte if self.beta_s_per_byte > 0 else float("inf")
 
     @classmethod
-    def from_bandwidth(cls, bits_per_s: float, latency_s: float = 0.0, source: str = "") -> "Link":
+    def from_bandwidth(cls, bits_per_s: float, latency_s: float = 0.0, source: str = "",
+                       unfair: float = 0.0) -> "Link":
         if not bits_per_s > 0:
             raise LinkError(f"bandwidth must be positive, got {bits_per_s!r} bit/s")
         if not latency_s >= 0:
             raise LinkError(f"latency must be non-negative, got {latency_s!r} s")
-        return cls(latency_s, 8.0 / bits_per_s, source)
+        return cls(latency_s, 8.0 / bits_per_s, source, unfair)
 
     def scaled(self, time_scale: float) -> "Link":
         """The link as seen when every time is stretched by ``time_scale`` (replayed compute)."""
-        return Link(self.alpha_s * time_scale, self.beta_s_per_byte * time_scale,
-                    f"{self.source} x{time_scale:g}")
+        return replace(self, alpha_s=self.alpha_s * time_scale,
+                       beta_s_per_byte=self.beta_s_per_byte * time_scale,
+                       source=f"{self.source} x{time_scale:g}")
 
     def as_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "alpha_s": self.alpha_s,
                 "beta_s_per_byte": self.beta_s_per_byte, "bandwidth_bits_per_s": self.bits_per_s,
-                "source": self.source}
+                "unfair": self.unfair, "source": self.source}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.as_dict(), indent=1) + "\n")
@@ -102,11 +132,13 @@ def load_link(path: str | Path) -> Link:
         raise LinkError(f"{p}: {FORMAT} version {d.get('version')!r}; this Poseidon reads {VERSION}")
     try:
         alpha, beta = float(d["alpha_s"]), float(d["beta_s_per_byte"])
+        unfair = float(d.get("unfair", 0.0))
     except (KeyError, TypeError, ValueError):
-        raise LinkError(f"{p}: needs numeric alpha_s and beta_s_per_byte") from None
-    if not (alpha >= 0 and beta > 0):
-        raise LinkError(f"{p}: alpha_s must be >= 0 and beta_s_per_byte > 0")
-    return Link(alpha, beta, str(d.get("source", str(p))))
+        raise LinkError(f"{p}: needs numeric alpha_s and beta_s_per_byte (and unfair, if "
+                        "given)") from None
+    if not (alpha >= 0 and beta > 0 and unfair >= 0):
+        raise LinkError(f"{p}: alpha_s and unfair must be >= 0 and beta_s_per_byte > 0")
+    return Link(alpha, beta, str(d.get("source", str(p))), unfair)
 
 
 def parse_link(text: str) -> Link:

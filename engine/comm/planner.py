@@ -11,15 +11,7 @@ speeds), the same functions the DAG model of ``poseidon simulate`` uses. ``--com
 shm (shared memory) runs only when every worker is on one machine; it is then offered beside
 the others, priced by the memory it copies and its two signals.
 
-SACP's byte counts (floats sent + received per node per iteration; DESIGN.md), for an FC layer
-with an M x N weight, batch K, P1 workers and P2 server shards:
-
-    PS, worker only               2MN
-    PS, node = worker + server    2MN(P1+P2-2)/P2
-    SFB                           2K(P1-1)(M+N)
-    ring allreduce                4MN(P1-1)/P1
-    halving-doubling (hd)         4MN(P1-1)/P1 when P1 is a power of two (ring's bytes in
-                                  2 log2 P1 steps instead of 2(P1-1))
+SACP's byte counts, the layer facts and the timings it compares are engine/comm/cost.py's.
 
 Then consecutive layers with the same dense scheme (PS, ring, hd) are fused into buckets
 (engine/comm/fusion.py). Rank 0 makes the plan and sends it to every worker (engine/comm/plan
@@ -28,16 +20,24 @@ travels as a poseidon.Plan), so all follow one plan even where their measurement
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from engine.pb import poseidon_pb2 as pb
-from .link import Link
 
 from .codecs import make_codec
+from .cost import (
+    Device,
+    LayerInfo,
+    LayerTiming,
+    cost_ps_node,
+    cost_ring,
+    cost_sfb,
+    level_timing,
+)
 from .fusion import buckets
+from .link import Link
 from .schemes import SCHEMES
-from .schemes.base import Device, LayerTiming
 from .schemes.ps import DEFAULT_CHUNK_BYTES
 
 #: what --comm takes: the planner's two modes, then every registered scheme
@@ -46,43 +46,6 @@ COMM_MODES = ("auto", "hybrid", *SCHEMES)
 DEFAULT_LINK = Link(50e-6, 1 / 1.25e9, "default: 10 Gbit/s, 50 us")
 #: inside a machine, when no machine mate was probed
 DEFAULT_LOCAL_LINK = Link(20e-6, 1 / 5e9, "default: inside a machine, 40 Gbit/s, 20 us")
-
-
-def cost_ps_worker(params: int) -> float:
-    return 2.0 * params
-
-
-def cost_ps_node(params: int, p1: int, p2: int) -> float:
-    return 2.0 * params * (p1 + p2 - 2) / p2
-
-
-def cost_sfb(m: int, n: int, k: int, p1: int) -> float:
-    return 2.0 * k * (p1 - 1) * (m + n)
-
-
-def cost_ring(params: int, p1: int) -> float:
-    return 4.0 * params * (p1 - 1) / p1
-
-
-@dataclass
-class LayerInfo:
-    """What the planner knows of a layer with learnable parameters."""
-    layer: int
-    name: str
-    shapes: list[tuple[int, ...]]
-    #: (K, M, N) when the layer can hand out sufficient factors u (K x N) and v (K x M)
-    factors: tuple[int, int, int] | None = None
-    itemsize: int = 4
-
-    @property
-    def params(self) -> int:
-        total = 0
-        for s in self.shapes:
-            n = 1
-            for d in s:
-                n *= d
-            total += n
-        return total
 
 
 @dataclass
@@ -140,8 +103,6 @@ def plan_layers(layers: Sequence[LayerInfo], p1: int, comm: str = "auto",
     machine's own ``local_link`` around the network's ``link``. ``machines``: how many
     machines the workers are on (default: p1 / slots); one-machine schemes need 1.
     ``fusion``: auto prices fusion in (``_unify_runs``, ``_join_buckets``)."""
-    from .levels import timing as level_timing
-
     comm, overrides = split_comm(comm)
     unknown = set(overrides) - {info.name for info in layers}
     if unknown:
@@ -308,6 +269,10 @@ class Plan:
             return "hybrid: SFB where it moves fewer bytes than PS, else PS"
         return f"--comm {mode}: wherever the layer allows it, else PS"
 
+    def wire(self) -> str:
+        """How the gradients travel: 'fp32', or the codec's description."""
+        return make_codec(self.codec, self.to_pb()).describe()
+
     def summary(self) -> str:
         """Each unit's layers and scheme, in release order: 'ip2 sfb; conv1+ip1 ring'."""
         names = {p.info.layer: p.info.name for p in self.layers}
@@ -324,21 +289,78 @@ class PlanMismatch(ValueError):
     """A recorded plan that does not fit this run: other workers, machines, wire or net."""
 
 
-def pin_plan(recorded: pb.Plan, layers: Sequence[LayerInfo], world: int, codec: str = "fp32",
-             allow_sfb: bool = True, device: Device | None = None,
-             chunk_bytes: int = DEFAULT_CHUNK_BYTES, slots: int = 1,
-             local_link: Link | None = None, machines: int | None = None,
-             sparse: tuple[float, int, float] = (0.0, 0, 0.0)) -> Plan:
+@dataclass(frozen=True)
+class PlanOptions:
+    """How rank 0 plans: what the job asks (``comm``: MODE[,LAYER=SCHEME...], the wire codec,
+    fusion) and what it knows (the links, the machine's speeds, where the workers are)."""
+    comm: str = "auto"
+    #: SFB needs one backward per update (iter_size 1)
+    allow_sfb: bool = True
+    link: Link = DEFAULT_LINK
+    #: inside a machine (two levels), when machines run several workers
+    local_link: Link = DEFAULT_LOCAL_LINK
+    device: Device = field(default_factory=Device)
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    #: "fp32", "fp16" or "sparse" (then ``sparse``: its ratio, warmup and momentum,
+    #: engine/comm/codecs/sparse.py; the cost model prices its layers as dense fp32)
+    codec: str = "fp32"
+    sparse: tuple[float, int, float] = (0.0, 0, 0.0)
+    #: fusion buckets: at most this many bytes (0: no fusion), nor a first layer waiting
+    #: longer than ``fusion_s`` for its last by ``backward_s`` (estimated backward seconds of
+    #: every net layer, index = layer)
+    fusion_bytes: int = 0
+    fusion_s: float = float("inf")
+    backward_s: tuple[float, ...] | None = None
+    #: workers per machine (dense schemes priced in two levels when > 1), and machines
+    #: (default: workers / slots; one-machine schemes need 1)
+    slots: int = 1
+    machines: int | None = None
+
+    @property
+    def wire_itemsize(self) -> int:
+        return 2 if self.codec == "fp16" else 4
+
+    def layers(self, layers: Sequence[LayerInfo], world: int,
+               comm: str | None = None) -> list[LayerPlan]:
+        """``plan_layers`` with these options (``comm`` in place of theirs)."""
+        return plan_layers(layers, world, comm or self.comm, allow_sfb=self.allow_sfb,
+                           link=self.link, device=self.device, chunk_bytes=self.chunk_bytes,
+                           wire_itemsize=self.wire_itemsize, slots=self.slots,
+                           local_link=self.local_link, machines=self.machines,
+                           fusion=self.fusion_bytes > 0)
+
+    def plan(self, plans: list[LayerPlan], units: list[tuple[list[int], str]],
+             comm: str) -> Plan:
+        return Plan(plans, units, self.link, self.codec, *self.sparse, self.slots,
+                    self.local_link, comm=comm)
+
+
+def make_plan(layers: Sequence[LayerInfo], world: int,
+              options: PlanOptions | None = None) -> Plan:
+    """Rank 0's plan: schemes per layer, then fusion buckets of consecutive dense layers."""
+    options = options or PlanOptions()
+    plans = options.layers(layers, world)
+    units = buckets([(p.info.layer, p.scheme, p.info.params * p.info.itemsize
+                      if SCHEMES[p.scheme].fusion_capped else 0, SCHEMES[p.scheme].dense)
+                     for p in plans],
+                    options.fusion_bytes, options.fusion_s, options.backward_s)
+    return options.plan(plans, units, options.comm)
+
+
+def pin_plan(recorded: pb.Plan, layers: Sequence[LayerInfo], world: int,
+             options: PlanOptions | None = None) -> Plan:
     """The plan ``recorded`` (a snapshot's, or a --plan file's) for this run: its schemes and
     units exactly, priced on the link it was made for (for the table). PlanMismatch says why
-    it cannot be followed here. ``sparse``: this run's (ratio, warmup, momentum)."""
+    it cannot be followed here (``options``: this run's)."""
+    options = options or PlanOptions()
     if recorded.world_size != world:
         raise PlanMismatch(f"it was made for {recorded.world_size} workers, this run has {world}")
-    if max(recorded.slots, 1) != slots:
+    if max(recorded.slots, 1) != options.slots:
         raise PlanMismatch(f"it reduces inside machines of {max(recorded.slots, 1)} workers, "
-                           f"this run's machines run {slots}")
-    if (recorded.codec or "fp32") != codec:
-        raise PlanMismatch(f"it sends {recorded.codec or 'fp32'} gradients, this run {codec}")
+                           f"this run's machines run {options.slots}")
+    if (recorded.codec or "fp32") != options.codec:
+        raise PlanMismatch(f"it sends {recorded.codec or 'fp32'} gradients, this run "
+                           f"{options.codec}")
     by_index = {i.layer: i for i in layers}
     given: dict[str, str] = {}
     for u in recorded.units:
@@ -354,44 +376,17 @@ def pin_plan(recorded: pb.Plan, layers: Sequence[LayerInfo], world: int, codec: 
     missing = [i.name for i in layers if i.name not in given]
     if missing:
         raise PlanMismatch(f"it gives no scheme to {', '.join(missing)}")
-    link = Link(recorded.alpha_s, recorded.beta_s_per_byte, "the link the plan was made for")
+    priced = replace(options, link=Link(recorded.alpha_s, recorded.beta_s_per_byte,
+                                        "the link the plan was made for"), fusion_bytes=0)
     comm = ",".join(["auto", *(f"{n}={s}" for n, s in given.items())])
     try:
-        plans = plan_layers(layers, world, comm, allow_sfb, link, device, chunk_bytes,
-                            2 if codec == "fp16" else 4, slots, local_link, machines)
+        plans = priced.layers(layers, world, comm)
     except ValueError as e:
         raise PlanMismatch(str(e).replace(f"--comm {comm!r}: ", "")) from None
     for p in plans:
         p.reason = "pinned"
-    units = [(list(u.layers), u.scheme) for u in recorded.units]
-    return Plan(plans, units, link, codec, *sparse, slots, local_link or DEFAULT_LOCAL_LINK,
-                comm=recorded.comm or "auto")
-
-
-def make_plan(layers: Sequence[LayerInfo], world: int, comm: str = "auto",
-              allow_sfb: bool = True, link: Link | None = None, device: Device | None = None,
-              chunk_bytes: int = DEFAULT_CHUNK_BYTES, codec: str = "fp32",
-              fusion_bytes: int = 0, fusion_s: float = float("inf"),
-              backward_s: Sequence[float] | None = None, sparse_ratio: float = 0.0,
-              sparse_warmup: int = 0, sparse_momentum: float = 0.0, slots: int = 1,
-              local_link: Link | None = None, machines: int | None = None) -> Plan:
-    """Rank 0's plan: schemes per layer, then fusion buckets of consecutive dense layers.
-
-    ``codec`` "sparse" takes ``sparse_ratio``, ``sparse_warmup`` and ``sparse_momentum``
-    (engine/comm/codecs/sparse.py); the cost model prices its layers as dense fp32.
-
-    ``backward_s``: estimated backward seconds of every net layer (index = layer), for the
-    ``fusion_s`` limit on how long a bucket's first layer may wait for its last."""
-    link = link or DEFAULT_LINK
-    wire = 2 if codec == "fp16" else 4
-    plans = plan_layers(layers, world, comm, allow_sfb, link, device, chunk_bytes, wire, slots,
-                        local_link, machines, fusion=fusion_bytes > 0)
-    units = buckets([(p.info.layer, p.scheme, p.info.params * p.info.itemsize
-                      if SCHEMES[p.scheme].fusion_capped else 0, SCHEMES[p.scheme].dense)
-                     for p in plans],
-                    fusion_bytes, fusion_s, backward_s)
-    return Plan(plans, units, link, codec, sparse_ratio, sparse_warmup, sparse_momentum, slots,
-                local_link or DEFAULT_LOCAL_LINK, comm=comm)
+    return priced.plan(plans, [(list(u.layers), u.scheme) for u in recorded.units],
+                       recorded.comm or "auto")
 
 
 def plan_table(plan: Plan | Sequence[LayerPlan], p1: int) -> str:
@@ -405,7 +400,7 @@ def plan_table(plan: Plan | Sequence[LayerPlan], p1: int) -> str:
     if isinstance(plan, Plan):
         head += (f"; link alpha {plan.link.alpha_s * 1e6:.1f} us, "
                  f"{plan.link.bits_per_s / 1e9:.2f} Gbit/s ({plan.link.source}); "
-                 f"wire {make_codec(plan.codec, plan.to_pb()).describe()}")
+                 f"wire {plan.wire()}")
     rows = [head, "(bytes sent+received per node per iteration; time: release to applied, "
             "alone on the link)",
             f"{'layer':<16} {'shape':<24} {'scheme':<6} {'bytes/iter':>12} {'time':>9} "

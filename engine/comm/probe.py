@@ -12,9 +12,9 @@ import time
 import numpy as np
 
 from engine.pb import poseidon_pb2 as pb
-from .link import Link
 
-from .schemes.base import Device
+from .cost import Device
+from .link import Link
 from .transport import PROBE_ASK, Endpoint, PeerId, header, message_key
 
 PROBE_BYTES = 1 << 20

@@ -5,7 +5,7 @@ confirms it with its digest (READY). A shard receives the P workers' pushes of a
 round t, sums them in rank order in float32 (so the result does not depend on arrival order,
 and fp16 pushes are accumulated in float32), and sends the sum, in the wire's dtype, to every
 worker. The bits of the pushes (signals, a codec's flags) are ORed into the sum; an fp16 sum
-that overflows raises OVERFLOW_BIT.
+that overflows raises pb.REQUEST_OVERFLOW.
 
 Two ways to sum, with bit-identical results: ``threads=0`` keeps every push of a round and
 sums them on the receive thread into a new array when the last one comes (the reference);
@@ -23,8 +23,8 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.pb import poseidon_pb2 as pb
 from engine import timeline
+from engine.pb import poseidon_pb2 as pb
 
 from .aggregate import AggregationPool, sum_in_rank_order
 from .errors import CommError

@@ -10,9 +10,8 @@ when several wait (the next forward needs the bottom layer first); a small messa
 waiting goes out straight from the progress thread. ``wait(layer)`` blocks the
 next forward of a layer until its update is applied (BSP, per layer).
 
-At start-up every worker and shard meet: HELLO (same net, same settings), rank 0 probes the
-link to rank 1 (unless one was given), makes the plan and sends it to every worker (PLAN) and
-the PS chunk table to the shards (LAYOUT); everyone installs it and says READY.
+At start-up every worker and shard meet (engine/comm/handshake.py): the same net and settings,
+rank 0's plan for everyone, the PS chunk table for the shards, READY.
 """
 from __future__ import annotations
 
@@ -26,29 +25,38 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from engine import backend
+from engine import backend, timeline
 from engine.pb import poseidon_pb2 as pb
-from engine import timeline
-from .link import Link
 
-from .codecs import Codec, make_codec
+from . import handshake
+from .codecs import Codec
 from .errors import CommError
 from .hosts import HostEntry
-from .planner import DEFAULT_LINK, Plan
-from .probe import probe_link
-from .schemes import SCHEMES, Scheme
-from .schemes.base import SNAPSHOT_BIT, STOP_BIT, LayerSlot, ParamSlot, Unit
-from .schemes.ps import DEFAULT_CHUNK_BYTES, layout_digest
 from .levels import compose
-from .topology import Topology
+from .link import Link
+from .planner import Plan
+from .schemes import SCHEMES, Scheme
+from .schemes.ps import DEFAULT_CHUNK_BYTES
 from .stats import CommStats, now
-from .transport import (COPY_BELOW_BYTES, HEADER_BYTES, HEADER_BYTES_PER_CHUNK, SHARD, WORKER,
-                        Endpoint, Message, PeerId, header, message_key)
+from .topology import Topology
+from .transport import (
+    COPY_BELOW_BYTES,
+    HEADER_BYTES,
+    HEADER_BYTES_PER_CHUNK,
+    SHARD,
+    WORKER,
+    Endpoint,
+    Message,
+    PeerId,
+    header,
+    message_key,
+)
+from .units import LayerSlot, ParamSlot, Unit
 
 log = logging.getLogger("poseidon.comm")
 
 #: what a signal asks for, as bits on the wire (Header.request)
-REQUEST_BITS = {"snapshot": SNAPSHOT_BIT, "stop": STOP_BIT}
+REQUEST_BITS = {"snapshot": pb.REQUEST_SNAPSHOT, "stop": pb.REQUEST_STOP}
 
 __all__ = ["LayerSlot", "ParamSlot", "Syncer", "open_worker", "frame_limit", "REQUEST_BITS"]
 
@@ -83,16 +91,6 @@ def frame_limit(slots: Mapping[int, LayerSlot], world: int,
             k, m, n = s.factor_shape
             biggest = max(biggest, 8 * world * k * max(m, n))
     return max(biggest, HEADER_BYTES + HEADER_BYTES_PER_CHUNK * chunks)
-
-
-def config_digest(slots: Mapping[int, LayerSlot], chunk_bytes: int) -> bytes:
-    """What every worker of a job must agree on before a plan can fit them all."""
-    h = hashlib.sha256(f"chunk_bytes={chunk_bytes};".encode())
-    for li in sorted(slots):
-        s = slots[li]
-        shapes = [tuple(p.blob.diff.shape) for p in s.params]
-        h.update(f"{li},{s.name},{shapes},{s.factor_shape};".encode())
-    return h.digest()
 
 
 class Syncer:
@@ -172,94 +170,26 @@ class Syncer:
 
     # ------------------------------------------------------------------ start-up
     def _meet(self) -> None:
+        """The start-up handshake (engine/comm/handshake.py); from its end on, DATA messages
+        can be checked."""
         ep = self.ep
-        workers = [(WORKER, r) for r in range(self.world)]
-        others = [w for w in workers if w != ep.me]
-        shards = [p for p in ep.peers if p[0] == SHARD]
-        digest = config_digest(self.layers, self.chunk_bytes)
-        ep.broadcast(ep.peers, header(pb.HELLO, layout_digest=digest, world_size=self.world))
-        for m in ep.wait_for([message_key(pb.HELLO, w) for w in others], "start-up HELLO"):
-            if m.header.world_size != self.world or m.header.layout_digest != digest:
-                self._fail(f"{ep.name_of(m.sender)} runs a different configuration "
-                           "(hosts file, net or --chunk-bytes differ)")
-        if self.rank == 0:
-            if self._planner is None:
-                raise CommError("rank 0 needs a planner")
-            link, local_link = self._probe()
-            plan = self._planner(link, local_link)
-            if self._on_plan is not None:
-                self._on_plan(plan)
-            plan_pb = plan.to_pb()
-            ep.broadcast(others, header(pb.PLAN, plan=plan_pb))
-        else:
-            [m] = ep.wait_for([message_key(pb.PLAN, (WORKER, 0))], "the communication plan")
-            plan_pb = m.header.plan
-        self._install(plan_pb)
-        ps = self._schemes.get("ps")
-        layout, groups = ps.shard_table() if ps is not None else ([], [])  # type: ignore[attr-defined]
-        if self.rank == 0:
-            ep.broadcast(shards, header(pb.LAYOUT, layout=[c.to_pb() for c in layout],
-                                        groups=[pb.GroupSpec(ranks=g) for g in groups]))
-        mine = hashlib.sha256(plan_pb.SerializeToString(deterministic=True)
-                              + layout_digest(layout)).digest()
-        ep.broadcast(others, header(pb.READY, layout_digest=mine))
-        ep.broadcast(shards, header(pb.READY, layout_digest=layout_digest(layout)))
-        for m in ep.wait_for([message_key(pb.READY, w) for w in others], "READY"):
-            if m.header.layout_digest != mine:
-                self._fail(f"{ep.name_of(m.sender)} installed a different plan")
-        ep.wait_for([message_key(pb.READY, s) for s in shards], "shard READY")
-
-    def _probe(self) -> tuple[Link, Link | None]:
-        """Rank 0's links: to a worker on another machine (unless --link gave it), and to a
-        machine mate when machines run several workers."""
-        # the machines as they are, also when every worker runs as a node of its own
-        # (--no-levels): a machine mate's loopback is no measure of the network
-        real = Topology.of(self.ep.hosts, self.rank)
-        machines = real.machines
-        mates = real.local
-        local = probe_link(self.ep, (WORKER, mates[1])) if len(mates) > 1 else None
-        link = self._link
-        if link is None:  # one machine: all its traffic is the machine's own
-            link = probe_link(self.ep, (WORKER, machines[1][0])) if len(machines) > 1 \
-                else local or DEFAULT_LINK
-        return link, local
-
-    def _install(self, plan: pb.Plan) -> None:
-        """Units, codec and schemes from ``plan`` (rank 0's): it must fit this worker's net."""
-        def unfit(why: str) -> None:
-            self._fail(f"the plan of worker 0 does not fit {self.ep.name}'s net: {why}")
-
-        try:
-            codec = make_codec(plan.codec or "fp32", plan)
-        except ValueError as e:
-            unfit(str(e))
-        units, seen = [], set()
-        for up in plan.units:
-            scheme = SCHEMES.get(up.scheme)
-            if scheme is None or not up.layers:
-                unfit(f"unknown scheme {up.scheme!r} or an empty unit")
-            missing = [l for l in up.layers if l not in self.layers or l in seen]
-            if missing:
-                unfit(f"layer {missing[0]} is not a synchronised layer, or twice in the plan")
-            slots = [self.layers[l] for l in up.layers]
-            if not all(scheme.applies(s) for s in slots) or (len(slots) > 1 and not scheme.dense):
-                unfit(f"{up.scheme} cannot synchronise {'+'.join(s.name for s in slots)}")
-            seen.update(up.layers)
-            units.append(Unit(slots, up.scheme))
-        if seen != set(self.layers):
-            unfit(f"layers {sorted(set(self.layers) - seen)} have no unit")
-        self.codec = codec
+        handshake.hello(ep, self.layers, self.chunk_bytes, self._fail)
+        plan = handshake.agree_plan(ep, self._planner, self._link, self._on_plan)
+        units = handshake.units_of(plan, self.layers, ep.name, self._fail)
+        self.codec = units.codec
         self.plan = plan
-        self.units = {u.id: u for u in units}
-        self._rounds_done = {u.id: 0 for u in units}
-        for u in units:
+        self.units = {u.id: u for u in units.units}
+        self._rounds_done = {u.id: 0 for u in units.units}
+        for u in units.units:
             for s in u.layers:
                 self._unit_of[s.layer] = u
             self.stats.layer_names[u.id] = u.name
-        schemes = {name: compose(SCHEMES[name], self, [u for u in units if u.scheme == name],
-                                 self.chunk_bytes) for name in sorted({u.scheme for u in units})}
+        schemes = {name: compose(SCHEMES[name], self, [u for u in units.units
+                                                       if u.scheme == name], self.chunk_bytes)
+                   for name in sorted({u.scheme for u in units.units})}
         self._receivers = {tag: s for s in schemes.values() for tag in s.tags()}
-        self._schemes = schemes  # from here on, DATA messages can be checked
+        self._schemes = schemes
+        handshake.ready(ep, plan, schemes.get("ps"), self._fail)
 
     @property
     def momentum_layers(self) -> list[int]:
@@ -338,9 +268,9 @@ class Syncer:
             for rnd in range(self._requests_taken, complete):
                 bits |= self._round_requests.pop(rnd, 0)
             self._requests_taken = max(self._requests_taken, complete)
-        if bits & STOP_BIT:
+        if bits & pb.REQUEST_STOP:
             return "stop"
-        return "snapshot" if bits & SNAPSHOT_BIT else None
+        return "snapshot" if bits & pb.REQUEST_SNAPSHOT else None
 
     def state(self) -> bytes:
         """The plan every worker follows, for a snapshot: a resumed run with the same workers
@@ -424,7 +354,7 @@ class Syncer:
         if tl.active:
             tl.complete(f"update {unit.name}", "update", start, {"round": rnd})
         with self._cond:
-            request = bits & (SNAPSHOT_BIT | STOP_BIT)
+            request = bits & (pb.REQUEST_SNAPSHOT | pb.REQUEST_STOP)
             if request:
                 self._round_requests[rnd] = self._round_requests.get(rnd, 0) | request
             for slot in unit.layers:

@@ -6,7 +6,9 @@ a ``poseidon.Header`` protobuf, the arrays are raw C-contiguous bytes sent with 
 
 Every message ends with an authentication trailer (engine/comm/auth.py): a receiver checks it
 before it reads the header, so a process without the job's key can neither change a weight nor
-stop the job; its messages are dropped and counted. Then the receiver thread parses and
+stop the job; its messages are dropped and counted. A message with more array bytes than a
+piece goes as several ZeroMQ messages, tagged, sent and verified one by one, and is released
+only when all of them verified (engine/comm/pieces.py). Then the receiver thread parses and
 validates the message before a byte of it is used (structure here, with Python ints and a cap
 on every size; content — layer, chunk, round, dtype, shape — by the owner's ``checker``). A bad
 message is logged (rate-limited), counted and dropped; nothing a peer sends can end the
@@ -34,9 +36,11 @@ import zmq
 from engine.allocator import tune_allocator
 from engine.pb import poseidon_pb2 as pb
 
-from .auth import Signer, Verifier
+from .auth import Piece, Signer, Verifier
 from .errors import CommError
 from .hosts import HostEntry, port_owner
+from .pieces import PIECE_BYTES, Assembly, signed
+from .stages import StageClock
 from .stats import CommStats
 
 log = logging.getLogger("poseidon.comm")
@@ -47,6 +51,7 @@ PeerId = tuple[str, int]
 Key = tuple[int, str, int, int, int, int, int]
 
 ALLOWED_DTYPES = {np.dtype(t).str for t in ("<f2", "<f4", "<f8")}
+_DTYPES = {t: np.dtype(t) for t in ALLOWED_DTYPES}
 MAX_FRAMES = 64
 #: frames below this are copied into the message, larger ones sent zero-copy: pyzmq's zero-copy
 #: costs a fixed ~50 us per frame (its buffer tracking), a copy ~5 us per 64 KB. Sender and
@@ -97,8 +102,16 @@ def header(kind: int, **fields: object) -> pb.Header:
     return pb.Header(kind=kind, **fields)
 
 
-#: Header.phase of a codec's index vectors (sparse's chunk norms); every other phase is values
-INDEX_PHASE = 1
+def wire_frames(hdr: pb.Header, arrays: Sequence[np.ndarray]) -> list[object]:
+    """``[header, array bytes...]``: the header lists each array's dtype and shape."""
+    del hdr.arrays[:]
+    views: list[object] = []
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        hdr.arrays.add(dtype=a.dtype.str, shape=a.shape)
+        views.append(memoryview(a).cast("B") if a.size else b"")
+    return [hdr.SerializeToString(), *views]
+
 
 
 def ipc_address(host: str, port: int) -> str:
@@ -120,7 +133,7 @@ def byte_tag(hdr: pb.Header) -> str | None:
     '<scheme>/index' for a codec's index vectors. None: not counted (control traffic)."""
     if hdr.kind != pb.DATA:
         return None
-    return f"{hdr.scheme}/index" if hdr.phase == INDEX_PHASE else hdr.scheme
+    return f"{hdr.scheme}/index" if hdr.phase == pb.PHASE_INDEX else hdr.scheme
 
 
 class Endpoint:
@@ -134,12 +147,14 @@ class Endpoint:
                  key: bytes | None, timeout: float = 30.0, stats: CommStats | None = None,
                  exit_grace: float | None = None,
                  snapshot_hint: Callable[[], str | None] | None = None,
-                 max_frame_bytes: int | None = None, local_ipc: bool = True) -> None:
+                 max_frame_bytes: int | None = None, local_ipc: bool = True,
+                 piece_bytes: int = PIECE_BYTES) -> None:
         """``key``: the job key every message is authenticated with; None only for a
         benchmark's unauthenticated baseline. ``max_frame_bytes``: the largest frame a
         legitimate peer sends (ZMQ_MAXMSGSIZE: a peer announcing more is disconnected).
         ``local_ipc``: reach peers on this machine through a Unix socket (ipc://) rather than
-        TCP on loopback (False: a benchmark of the TCP path)."""
+        TCP on loopback (False: a benchmark of the TCP path). ``piece_bytes``: a message
+        with more array bytes goes in authenticated pieces of this size."""
         self.me = me
         self.hosts = list(hosts)
         self.peers = [p for p in peers if p != me]
@@ -154,6 +169,14 @@ class Endpoint:
         self.dropped = 0
         #: messages that failed authentication (counted among ``dropped``)
         self.unauthenticated = 0
+        #: messages in pieces dropped whole: a piece altered, lost or out of order (counted
+        #: among ``dropped``)
+        self.incomplete = 0
+        self.piece_bytes = int(piece_bytes)
+        #: per sending session, its message whose pieces are coming (receive thread only)
+        self._assembling: dict[bytes, Assembly] = {}
+        #: when set, the stages each message passes are timed (`poseidon bench comm --stages`)
+        self.clock: StageClock | None = None
         self._signer = Signer(key) if key is not None else None
         self._verifier = Verifier(key) if key is not None else None
         self.error: str | None = None
@@ -174,6 +197,7 @@ class Endpoint:
         port = entry.port if me[0] == WORKER else entry.shard_port
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.RCVTIMEO, 100)  # the receive thread looks at _stop this often
         if max_frame_bytes is not None:
             self._pull.setsockopt(zmq.MAXMSGSIZE, int(max_frame_bytes))
         try:
@@ -223,16 +247,17 @@ class Endpoint:
     def broadcast(self, peers: Iterable[PeerId], hdr: pb.Header,
                   arrays: Sequence[np.ndarray] = ()) -> None:
         """Send one message to each of ``peers``, authenticated once: every receiver sees the
-        sender's counters grow, since they are taken in sending order under the lock."""
+        sender's counters grow, since they are taken in sending order under the lock. A large
+        message goes in pieces (engine/comm/pieces.py), each sent as soon as it is tagged; the
+        lock keeps one message's pieces together on every socket."""
+        clock = self.clock
+        if clock is not None:
+            clock.mark(hdr.round, "call")
         hdr.sender_role = _ROLE_PB[self.me[0]]
         hdr.sender = self.me[1]
-        del hdr.arrays[:]
-        frames: list[object] = []
-        for a in arrays:
-            a = np.ascontiguousarray(a)
-            hdr.arrays.add(dtype=a.dtype.str, shape=a.shape)
-            frames.append(memoryview(a).cast("B") if a.size else b"")
-        frames.insert(0, hdr.SerializeToString())
+        frames = wire_frames(hdr, arrays)
+        if clock is not None:
+            clock.mark(hdr.round, "serialised")
         nbytes = sum(a.nbytes for a in arrays)
         tag = byte_tag(hdr)
         sent = []
@@ -241,11 +266,12 @@ class Endpoint:
             socks = [(p, s) for p, s in socks if s is not None]
             if not socks:
                 return
-            if self._signer is not None:
-                frames.append(self._signer.trailer(frames))
-            for p, sock in socks:
-                sock.send_multipart(frames, copy=False)
-                sent.append(p)
+            for k, piece in enumerate(signed(frames, self._signer, self.piece_bytes)):
+                if clock is not None and k == 0:
+                    clock.mark(hdr.round, "tagged")
+                for _, sock in socks:
+                    sock.send_multipart(piece, copy=False)
+            sent = [p for p, _ in socks]
         if tag is not None:
             for p in sent:
                 self.stats.add_bytes(hdr.layer, tag, True, nbytes, self._network(p))
@@ -257,25 +283,30 @@ class Endpoint:
 
     # --------------------------------------------------------------------------- receiving
     def _recv_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._pull, zmq.POLLIN)
         while not self._stop.is_set():
-            try:
-                if not poller.poll(100):
-                    continue
+            try:  # a receive timeout, not a poll first: one wake-up per message, not two
                 frames = self._pull.recv_multipart(copy=False)
+            except zmq.Again:
+                continue
             except zmq.ZMQError as e:
                 if self._stop.is_set():
                     return
                 self.fatal(f"{self.name}: the receive thread failed: {e}")
                 return
+            clock = self.clock
+            if clock is not None:
+                clock.hold("received", first=True)
             try:
                 msg, reason = self._parse(frames)
             except Exception as e:  # nothing a peer sends may end this thread
                 msg, reason = None, f"unparsable message ({type(e).__name__}: {e})"
             if msg is None:
-                self._drop(reason)
+                if reason:
+                    self._drop(reason)
                 continue
+            if clock is not None:
+                clock.hold("checked")
+                clock.release(msg.header.round)
             try:
                 self._dispatch(msg)
             except Exception as e:  # a bug in a handler must stop the run, not hang it
@@ -292,17 +323,26 @@ class Endpoint:
             log.warning("%s: dropped a bad message (%d so far): %s", self.name, self.dropped, reason)
 
     def _parse(self, frames: list[zmq.Frame]) -> tuple[Message | None, str]:
+        """A complete, checked message; or None and why it was dropped, or None and "" when a
+        piece of a large message was taken and the message is not complete yet."""
         if not frames or len(frames) > MAX_FRAMES + 2:
             return None, f"{len(frames)} frames"
-        auth: tuple[bytes, int] | None = None
-        if self._verifier is not None:
-            if len(frames) < 2:
-                return self._unauthenticated("no authentication trailer")
-            checked = self._verifier.verify([f.buffer for f in frames[:-1]], frames[-1].buffer)
-            if isinstance(checked, str):
-                return self._unauthenticated(checked)
-            auth = checked
-            frames = frames[:-1]
+        if self._verifier is None:
+            return self._start(frames, None)
+        if len(frames) < 2:
+            return self._unauthenticated("no authentication trailer")
+        piece = self._verifier.verify(frames[:-1], frames[-1])
+        if isinstance(piece, str):
+            return self._unauthenticated(piece)
+        if self.clock is not None:
+            self.clock.hold("verified")
+        if piece.index:
+            return self._continue(piece, frames[:-1])
+        return self._start(frames[:-1], piece)
+
+    def _start(self, frames: list[zmq.Frame], piece: Piece | None) -> tuple[Message | None, str]:
+        """A header piece (authenticated, or a benchmark's unauthenticated message): the
+        message whole, or the start of one in pieces."""
         try:
             hdr = pb.Header.FromString(frames[0].bytes)
         except Exception:
@@ -314,34 +354,88 @@ class Endpoint:
         sender = (_ROLE[hdr.sender_role], hdr.sender)
         if sender not in self._last_seen:
             return None, f"unknown sender {sender[0]} {sender[1]}"
-        if auth is not None and self._verifier is not None:
-            replay = self._verifier.accept(sender, *auth)
+        if piece is not None and self._verifier is not None:
+            replay = self._verifier.accept(sender, piece.session, piece.counter)
             if replay is not None:
                 return None, f"from {self.name_of(sender)}: {replay}"
-        if len(hdr.arrays) != len(frames) - 1:
-            return None, f"header lists {len(hdr.arrays)} arrays but {len(frames) - 1} frames came"
+            if piece.session in self._assembling:  # its last piece never came
+                late = self._assembling.pop(piece.session)
+                self._incomplete(late, f"piece {late.next} of {late.count} never came")
+        layout = self._layout(hdr)
+        if isinstance(layout, str):
+            return None, layout
+        if piece is not None and piece.count > 1:
+            total = sum(n for _, _, n in layout)
+            if len(frames) != 1 or not 1 < piece.count <= total + 1:
+                return None, (f"a header piece of {len(frames)} frames for {piece.count} pieces "
+                              f"of {total} bytes")
+            self._assembling[piece.session] = Assembly.start(hdr, sender, piece.counter,
+                                                             piece.count, layout)
+            return None, ""
+        if len(layout) != len(frames) - 1:
+            return None, f"header lists {len(layout)} arrays but {len(frames) - 1} frames came"
         arrays = []
-        for meta, frame in zip(hdr.arrays, frames[1:]):
-            if meta.dtype not in ALLOWED_DTYPES:
-                return None, f"dtype {meta.dtype!r} not allowed"
-            shape = tuple(int(d) for d in meta.shape)
-            if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
-                return None, f"shape {shape} not allowed"
-            dt = np.dtype(meta.dtype)
+        for (dt, shape, n), frame in zip(layout, frames[1:]):
             buf = frame.buffer
-            n = 1
-            for d in shape:  # Python ints: a product cannot wrap around
+            if n != len(buf):
+                return None, f"frame of {len(buf)} bytes for {dt.str}{shape}"
+            arrays.append(np.frombuffer(buf, dtype=dt, count=n // dt.itemsize).reshape(shape))
+        return self._checked(Message(hdr, arrays))
+
+    def _continue(self, piece: Piece, frames: list[zmq.Frame]) -> tuple[Message | None, str]:
+        """A data piece: the next one of its sender's message, or that message is dropped."""
+        asm = self._assembling.get(piece.session)
+        if asm is None:
+            return None, f"piece {piece.index} of {piece.count} of no message being received"
+        assert self._verifier is not None
+        replay = self._verifier.accept(asm.sender, piece.session, piece.counter)
+        if replay is not None:  # dropped alone: a recorded piece cannot break a message
+            return None, f"from {self.name_of(asm.sender)}: {replay}"
+        broken = (asm.add(piece.counter, piece.index, piece.count, frames[0].buffer)
+                  if len(frames) == 1 else f"a piece of {len(frames)} frames")
+        if broken is not None:
+            del self._assembling[piece.session]
+            self._incomplete(asm, broken)
+            return None, ""
+        if not asm.complete:
+            return None, ""
+        del self._assembling[piece.session]
+        return self._checked(Message(asm.header, asm.arrays))
+
+    def _incomplete(self, asm: Assembly, why: str) -> None:
+        """A message in pieces that cannot complete: dropped whole, and counted."""
+        self.incomplete += 1
+        self._drop(f"from {self.name_of(asm.sender)}: a message in {asm.count} pieces dropped "
+                   f"whole: {why}")
+
+    def _layout(self, hdr: pb.Header) -> list[tuple[np.dtype, tuple[int, ...], int]] | str:
+        """Each array's dtype, shape and bytes, computed with Python ints and capped; or why
+        the header is refused."""
+        if len(hdr.arrays) > MAX_FRAMES:
+            return f"{len(hdr.arrays)} arrays"
+        out = []
+        for meta in hdr.arrays:
+            dt = _DTYPES.get(meta.dtype)
+            if dt is None:
+                return f"dtype {meta.dtype!r} not allowed"
+            shape = tuple(meta.shape)  # Python ints: a product cannot wrap around
+            if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
+                return f"shape {shape} not allowed"
+            n = dt.itemsize
+            for d in shape:
                 n *= d
-            if n * dt.itemsize != len(buf):
-                return None, f"frame of {len(buf)} bytes for {meta.dtype}{shape}"
-            arrays.append(np.frombuffer(buf, dtype=dt, count=n).reshape(shape))
-        msg = Message(hdr, arrays)
-        if hdr.kind == pb.DATA:
+            if self.max_frame_bytes is not None and n > self.max_frame_bytes:
+                return f"an array of {n} bytes (at most {self.max_frame_bytes} here)"
+            out.append((dt, shape, n))
+        return out
+
+    def _checked(self, msg: Message) -> tuple[Message | None, str]:
+        if msg.header.kind == pb.DATA:
             if self.checker is None:
-                return None, f"{pb.Kind.Name(hdr.kind)} before this process can check it"
+                return None, f"{pb.Kind.Name(msg.header.kind)} before this process can check it"
             reason = self.checker(msg)
             if reason is not None:
-                return None, f"from {self.name_of(sender)}: {reason}"
+                return None, f"from {self.name_of(msg.sender)}: {reason}"
         return msg, ""
 
     def _dispatch(self, msg: Message) -> None:
@@ -366,6 +460,8 @@ class Endpoint:
         if tag is not None:
             self.stats.add_bytes(msg.header.layer, tag, False,
                                  sum(a.nbytes for a in msg.arrays), self._network(sender))
+        if self.clock is not None:
+            self.clock.mark(msg.header.round, "handed")
         if self.handler is not None and kind == pb.DATA:
             self.handler(msg)
             return
@@ -389,6 +485,9 @@ class Endpoint:
                     raise CommError(self.error)
                 missing = [k for k in keys if k not in self._mailbox]
                 if not missing:
+                    if self.clock is not None:
+                        for k in keys:
+                            self.clock.mark(k[3], "woken")
                     return [self._mailbox.pop(k) for k in keys]
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -475,7 +574,8 @@ class Endpoint:
             log.warning("%s: dropped %d bad messages in all, %d of them failed authentication",
                         self.name, self.dropped, self.unauthenticated)
         self.stats.extra.update(dropped_messages=self.dropped,
-                                unauthenticated_messages=self.unauthenticated)
+                                unauthenticated_messages=self.unauthenticated,
+                                incomplete_messages=self.incomplete)
         if say_bye and self.error is None:
             self.broadcast([p for p in self.peers if p not in self._gone], header(pb.BYE))
         self._stop.set()

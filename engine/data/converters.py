@@ -19,7 +19,7 @@ import tarfile
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -196,12 +196,17 @@ def download(dataset: str, dest: Path) -> Path:
                     "Fetch the files yourself and pass --from DIR")
 
 
-def compute_image_mean(db: Path, backend: str = "LMDB") -> tuple[np.ndarray, int]:
-    """Caffe's compute_image_mean: the float32 (C, H, W) mean of every record, and the count."""
+def compute_image_mean(db: Path, backend: str = "LMDB",
+                       on_record: Callable[[int, int], None] | None = None
+                       ) -> tuple[np.ndarray, int]:
+    """Caffe's compute_image_mean: the float32 (C, H, W) mean of every record, and the count;
+    ``on_record(done, total)`` follows the progress."""
     source = open_db(Path(db), backend)
     try:
         total: np.ndarray | None = None
         for k in range(len(source)):
+            if on_record is not None:
+                on_record(k, len(source))
             key, value = source.get(k)
             try:
                 image = datum_to_array(parse_datum(value))
@@ -213,6 +218,8 @@ def compute_image_mean(db: Path, backend: str = "LMDB") -> tuple[np.ndarray, int
                 raise DataError(f"{db}: record {k} has shape {image.shape}, the first "
                                 f"{total.shape}; a mean needs images of one size")
             total += image
+        if on_record is not None:
+            on_record(len(source), len(source))
     finally:
         source.close()
     assert total is not None  # open_db refuses an empty database

@@ -7,23 +7,32 @@ otherwise the decoded pixels re-encoded. Keys are Caffe's, ``%08d_<path>`` with 
 index in the (shuffled) list. Unlike Caffe, a ``root`` is joined as a folder (Caffe pastes the
 strings together, so its users write a trailing slash; both work here).
 
-The LMDB is written beside its destination and moved into place only when complete: a
-failure leaves any previous database as it was.
+Several decoding threads (engine.data.decoders) make the records, which are written in list
+order. The LMDB is written beside its destination (``partial_path``) and moved into place
+only when complete: a failure leaves any previous database as it was. An interruption
+(Ctrl-C) keeps the records written so far and a progress file; the same conversion run
+again continues from there, and a different one (another list, other options) is refused,
+saying what changed.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
+import json
 import os
 import shutil
-import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
 from ..pb import caffe_pb2
 from .datum import DataError, array_to_datum, load_image
-from .lmdb_source import write_lmdb
+from .decoders import DecoderPool, Pending, default_decoders
+from .lmdb_source import open_lmdb_writer
 
 
 class ListEntry(NamedTuple):
@@ -109,42 +118,105 @@ def image_datum(path: Path, label: int, opts: ImagesetOptions) -> tuple[caffe_pb
 
 
 _LMDB_FILES = ("data.mdb", "lock.mdb")
+#: the progress file beside the records of an unfinished conversion
+PROGRESS = "poseidon-progress.json"
 OnRecord = Callable[[int, int], None]
 OnSkip = Callable[[ListEntry, str], None]
+#: images decoded per hand-over to the decoders; a checkpoint is taken every few of these
+CHUNK = 256
+#: seconds between checkpoints (a commit and the progress file): what an interruption loses
+CHECKPOINT_S = 2.0
 
 
-def _records(entries: list[ListEntry], root: Path | None, opts: ImagesetOptions,
-             on_record: OnRecord | None, on_skip: OnSkip | None, where: str
-             ) -> Iterator[tuple[bytes, bytes]]:
-    first_shape: tuple[int, ...] | None = None
-    for index, entry in enumerate(entries):
-        path = Path(root) / entry.name if root is not None else Path(entry.name)
+class Interrupted(Exception):
+    """The conversion was stopped (Ctrl-C); its records so far are kept for a resume."""
+
+    def __init__(self, done: int, total: int, partial: Path):
+        super().__init__(f"interrupted after {done} of {total} images; the records so far are "
+                         f"kept in {partial}: run the same command again to continue")
+        self.done, self.total, self.partial = done, total, partial
+
+
+def partial_path(out: Path) -> Path:
+    """Where an unfinished conversion to ``out`` keeps its records and progress."""
+    return out.parent / f".{out.name}.partial"
+
+
+def _signature(list_file: Path, root: Path | None, opts: ImagesetOptions) -> dict[str, Any]:
+    """What the records depend on: a resume must be of the same conversion."""
+    digest = hashlib.sha256(Path(list_file).read_bytes()).hexdigest()
+    return {"list": str(Path(list_file).resolve()), "list_sha256": digest,
+            "root": str(Path(root).resolve()) if root is not None else None,
+            "options": dataclasses.asdict(opts)}
+
+
+@dataclass
+class _Progress:
+    """An unfinished conversion: entries before ``next`` are done (written or skipped)."""
+
+    signature: dict[str, Any]
+    next: int = 0
+    written: int = 0
+    skipped: int = 0
+    first_shape: list[int] | None = None
+
+    def save(self, folder: Path) -> None:
+        tmp = folder / f"{PROGRESS}.tmp"
+        tmp.write_text(json.dumps(dataclasses.asdict(self)))
+        os.replace(tmp, folder / PROGRESS)
+
+
+def _resume(partial: Path, signature: dict[str, Any], overwrite: bool) -> _Progress:
+    """The progress to continue from in ``partial`` (made if absent), or why it cannot be."""
+    if partial.exists():
         try:
-            datum, shape = image_datum(path, entry.label, opts)
-            if opts.check_size:
-                first_shape = first_shape or shape
-                if shape != first_shape:
-                    raise DataError(f"{path}: shape {shape} differs from the first image's "
-                                    f"{first_shape} (check_size)")
-        except DataError as e:
-            if opts.strict:
-                raise DataError(f"{where}:{entry.line}: {e}") from None
-            if on_skip is not None:
-                on_skip(entry, str(e))
+            state = _Progress(**json.loads((partial / PROGRESS).read_text()))
+        except (OSError, ValueError, TypeError) as e:
+            state, reason = None, f"its progress file is unreadable ({e})"
         else:
-            yield f"{index:08d}_{entry.name}".encode(), datum.SerializeToString()
-        if on_record is not None:
-            on_record(index + 1, len(entries))
+            changed = [k for k in ("list", "list_sha256", "root") if
+                       state.signature.get(k) != signature[k]]
+            changed += [f"--{k.replace('_', '-')}" for k, v in signature["options"].items()
+                        if state.signature.get("options", {}).get(k) != v]
+            reason = (f"it was started with another {', '.join(changed)}" if changed else "")
+        if not reason:
+            return state
+        if not overwrite:
+            raise DataError(f"cannot resume the unfinished conversion in {partial}: {reason}; "
+                            f"pass --force to start over")
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    state = _Progress(signature)
+    state.save(partial)
+    return state
+
+
+def _convert_one(path: Path, entry: ListEntry, index: int, opts: ImagesetOptions,
+                 out: list[Any]) -> None:
+    """A decoder's job: the entry's record, or the reason it cannot be made."""
+    try:
+        datum, shape = image_datum(path, entry.label, opts)
+    except DataError as e:
+        out[index] = str(e)
+    else:
+        out[index] = (datum.SerializeToString(), shape)
 
 
 def convert_imageset(list_file: Path, out: Path, root: Path | None = None,
                      opts: ImagesetOptions = ImagesetOptions(), overwrite: bool = False,
-                     on_record: OnRecord | None = None, on_skip: OnSkip | None = None
-                     ) -> tuple[int, int]:
+                     on_record: OnRecord | None = None, on_skip: OnSkip | None = None,
+                     decoders: int = 0) -> tuple[int, int]:
     """Write the LMDB ``out`` from ``list_file``; returns (records written, images skipped).
 
-    ``on_record(done, total)`` follows the progress; ``on_skip(entry, reason)`` hears of each
-    bad image skipped (with ``opts.strict`` the first one raises a DataError instead).
+    ``decoders`` threads (0: default_decoders) read, decode, resize and encode the images;
+    the records are written in list order. ``on_record(done, total)`` follows the progress
+    (from where a resumed conversion starts); ``on_skip(entry, reason)`` hears of each bad
+    image skipped (with ``opts.strict`` the first one raises a DataError and nothing is kept).
+
+    The records go to ``partial_path(out)`` with a progress file, committed every
+    CHECKPOINT_S seconds; KeyboardInterrupt commits what is done and raises Interrupted, and
+    the same call later continues from there (a record made twice is the same record under
+    the same key). Only a finished database is moved to ``out``.
     """
     out = Path(out)
     if (out / "data.mdb").exists() and not overwrite:
@@ -158,24 +230,100 @@ def convert_imageset(list_file: Path, out: Path, root: Path | None = None,
         order = np.random.default_rng(opts.seed).permutation(len(entries))
         entries = [entries[i] for i in order]
     out.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    skipped = [0]
-
-    def skip(entry: ListEntry, reason: str) -> None:
-        skipped[0] += 1
-        if on_skip is not None:
-            on_skip(entry, reason)
-
+    partial = partial_path(out)
+    state = _resume(partial, _signature(list_file, root, opts), overwrite)
+    pool = DecoderPool(max(0, decoders or default_decoders()), name="data images")
+    env = open_lmdb_writer(partial)
+    keep = False
     try:
-        written = write_lmdb(scratch, _records(entries, root, opts, on_record, skip,
-                                               str(list_file)))
-        if written == 0:
+        try:
+            _write(entries, root, opts, state, env, pool, partial, on_record, on_skip,
+                   str(list_file))
+        except KeyboardInterrupt:
+            keep = True
+            raise Interrupted(state.next, len(entries), partial) from None
+        finally:
+            env.close()
+            # the jobs not started are cancelled; one blocked on a file (a stalled network
+            # mount) is left to end with the process (a daemon thread)
+            pool.close(timeout=5.0)
+        if state.written == 0:
             raise DataError(f"{list_file}: none of its {len(entries)} images could be read")
+        (partial / PROGRESS).unlink()
         if out.exists():  # an LMDB folder, or an empty one (checked above)
             for name in _LMDB_FILES:
                 (out / name).unlink(missing_ok=True)
             out.rmdir()
-        os.replace(scratch, out)
+        os.replace(partial, out)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return written, skipped[0]
+        if not keep:
+            shutil.rmtree(partial, ignore_errors=True)
+    return state.written, state.skipped
+
+
+def _write(entries: list[ListEntry], root: Path | None, opts: ImagesetOptions,
+           state: _Progress, env: Any, pool: DecoderPool, partial: Path,
+           on_record: OnRecord | None, on_skip: OnSkip | None, where: str) -> None:
+    """Make and write the records from ``state.next`` on, checkpointing ``state``."""
+    import lmdb
+    total = len(entries)
+    paths = [Path(root) / e.name if root is not None else Path(e.name) for e in entries]
+    results: list[Any] = [None] * total
+
+    def submit(start: int) -> Pending | None:
+        if start >= total:
+            return None
+        return pool.run([functools.partial(_convert_one, paths[i], entries[i], i, opts, results)
+                         for i in range(start, min(start + CHUNK, total))])
+
+    if on_record is not None:
+        on_record(state.next, total)
+    txn = env.begin(write=True)
+    last_checkpoint = time.monotonic()
+    chunk, ahead = None, submit(state.next)  # the decoders work a chunk ahead of the writing
+    try:
+        while ahead is not None:
+            chunk, start = ahead, state.next
+            ahead = submit(start + CHUNK)
+            chunk.wait()
+            for i in range(start, min(start + CHUNK, total)):
+                result, results[i] = results[i], None
+                if isinstance(result, tuple) and opts.check_size:
+                    state.first_shape = state.first_shape or list(result[1])
+                    if list(result[1]) != state.first_shape:
+                        result = (f"{paths[i]}: shape {tuple(result[1])} differs from the first "
+                                  f"image's {tuple(state.first_shape)} (check_size)")
+                if isinstance(result, str):
+                    if opts.strict:
+                        raise DataError(f"{where}:{entries[i].line}: {result}")
+                    state.skipped += 1
+                    if on_skip is not None:
+                        on_skip(entries[i], result)
+                else:
+                    txn.put(f"{i:08d}_{entries[i].name}".encode(), result[0])
+                    state.written += 1
+                state.next = i + 1
+                if on_record is not None:
+                    on_record(i + 1, total)
+            if time.monotonic() - last_checkpoint > CHECKPOINT_S or ahead is None:
+                txn = _checkpoint(txn, env, state, partial)
+                last_checkpoint = time.monotonic()
+    except KeyboardInterrupt:
+        try:
+            _checkpoint(txn, env, state, partial, again=False)
+        except lmdb.Error:  # interrupted inside a checkpoint, after its commit
+            state.save(partial)
+        raise
+    finally:
+        for pending in (chunk, ahead):
+            if pending is not None:
+                pending.cancel()
+    txn.abort()
+
+
+def _checkpoint(txn: Any, env: Any, state: _Progress, partial: Path, again: bool = True) -> Any:
+    """Commit the records, put them on disk, then record the progress; a new transaction."""
+    txn.commit()
+    env.sync(True)
+    state.save(partial)
+    return env.begin(write=True) if again else None

@@ -49,10 +49,19 @@ class DBSource:
             self._index += 1
         return self._item()
 
+    def following(self, key: bytes) -> tuple[bytes, bytes]:
+        """(key, value) of the record after ``key`` in key order; after the last, the first
+        (the stream wraps). Moves the cursor: the next ``get`` starts from the first record."""
+        self._index = -1
+        return self._after(key)
+
     def close(self) -> None:
         """Release the database (further reads fail)."""
 
     # backend hooks
+    def _after(self, key: bytes) -> tuple[bytes, bytes]:
+        raise NotImplementedError
+
     def _first(self) -> None:
         raise NotImplementedError
 
@@ -93,7 +102,11 @@ def _release_env(path: Path) -> None:
 
 
 class LMDBSource(DBSource):
-    def __init__(self, path: Path):
+    """``zero_copy``: values are read-only memoryviews of the memory-mapped file instead of
+    bytes (no copy of each record), valid while this source is open: its read transaction
+    keeps the pages they show in place."""
+
+    def __init__(self, path: Path, zero_copy: bool = False):
         super().__init__(path)
         import lmdb
         if not (self.path / "data.mdb").is_file():
@@ -101,7 +114,7 @@ class LMDBSource(DBSource):
         self._env = None
         try:
             self._env = _acquire_env(self.path)
-            self._txn = self._env.begin(buffers=False)
+            self._txn = self._env.begin(buffers=zero_copy)
             self._count = self._txn.stat()["entries"]
             self._cursor = self._txn.cursor()
         except lmdb.Error as e:
@@ -118,7 +131,15 @@ class LMDBSource(DBSource):
         self._cursor.next()
 
     def _item(self) -> tuple[bytes, bytes]:
-        return self._cursor.key(), self._cursor.value()
+        return bytes(self._cursor.key()), self._cursor.value()
+
+    def _after(self, key: bytes) -> tuple[bytes, bytes]:
+        found = self._cursor.set_range(key)  # the first key >= key
+        if found and self._cursor.key() == key:
+            found = self._cursor.next()
+        if not found:
+            self._cursor.first()
+        return self._item()
 
     def close(self) -> None:
         if self._env is not None:
@@ -155,17 +176,31 @@ class LevelDBSource(DBSource):
     def _item(self) -> tuple[bytes, bytes]:
         return self._cur
 
+    def _after(self, key: bytes) -> tuple[bytes, bytes]:
+        for item in self._db.iterator(start=key, include_start=False):
+            return item
+        return next(self._db.iterator())
+
     def close(self) -> None:
         self._db.close()
 
 
-def open_db(path: Path, backend: str = "LMDB") -> DBSource:
-    """Open a database for reading; ``backend`` is Caffe's DataParameter.DB name."""
+def open_db(path: Path, backend: str = "LMDB", zero_copy: bool = False) -> DBSource:
+    """Open a database for reading; ``backend`` is Caffe's DataParameter.DB name.
+    ``zero_copy`` (LMDB): values are views of the file's pages, valid while it is open."""
     if backend == "LMDB":
-        return LMDBSource(path)
+        return LMDBSource(path, zero_copy)
     if backend == "LEVELDB":
         return LevelDBSource(path)
     raise DataError(f"{path}: unknown database backend {backend!r}")
+
+
+def open_lmdb_writer(path: Path) -> Any:
+    """An LMDB environment to write ``path`` (created) with Caffe's map size; commits go to
+    the page cache and reach the disk at ``env.sync(True)``."""
+    import lmdb
+    Path(path).mkdir(parents=True, exist_ok=True)
+    return lmdb.open(str(path), map_size=MAP_SIZE, subdir=True, meminit=False, map_async=True)
 
 
 def write_lmdb(path: Path, records: Iterable[tuple[bytes, bytes]], overwrite: bool = False) -> int:
@@ -173,15 +208,13 @@ def write_lmdb(path: Path, records: Iterable[tuple[bytes, bytes]], overwrite: bo
 
     Refuses to touch an existing database unless ``overwrite`` (Caffe's converters refuse too).
     """
-    import lmdb
     path = Path(path)
     if (path / "data.mdb").exists():
         if not overwrite:
             raise DataError(f"{path} already exists (remove it, or pass --force)")
         for name in ("data.mdb", "lock.mdb"):
             (path / name).unlink(missing_ok=True)
-    path.mkdir(parents=True, exist_ok=True)
-    env = lmdb.open(str(path), map_size=MAP_SIZE, subdir=True, meminit=False, map_async=True)
+    env = open_lmdb_writer(path)
     n = 0
     try:
         with env.begin(write=True) as txn:

@@ -5,7 +5,8 @@ starts there), so prefetching cannot change results: the thread computes
 ``load(start)``, ``load(start + step)``, ... in order into a bounded queue, each tagged with
 its position, and the consumer checks the tag. ``reset(pos)`` (a seek) stops the thread,
 throws away what it had made and starts again at ``pos``: no stale batch can be used.
-An exception in the thread is re-raised by ``get`` in the caller's thread.
+An exception in the thread is re-raised by ``get`` in the caller's thread. A batch thrown
+away (by a seek or close) goes to ``discard``, which can stop work still being done on it.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ class Prefetcher(Generic[T]):
     """Bounded-queue producer of ``load(start + i * step)`` for i = 0, 1, ...; thread-safe get."""
 
     def __init__(self, load: Callable[[int], T], start: int, step: int, depth: int = 4,
-                 name: str = "prefetch"):
+                 name: str = "prefetch", discard: Callable[[T], None] | None = None):
         if depth < 1:
             raise ValueError("prefetch depth must be >= 1")
         # Held weakly when it is a bound method (a layer's is): a layer dropped without close()
@@ -31,6 +32,7 @@ class Prefetcher(Generic[T]):
         self._step = step
         self._depth = depth
         self._name = name
+        self._discard = discard
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -42,7 +44,8 @@ class Prefetcher(Generic[T]):
         self._queue = queue.Queue(maxsize=self._depth)
         self._next = start
         self._thread = threading.Thread(
-            target=_produce, args=(self._load_ref, start, self._step, self._stop, self._queue),
+            target=_produce,
+            args=(self._load_ref, start, self._step, self._stop, self._queue, self._discard),
             name=self._name, daemon=True)
         self._thread.start()
 
@@ -69,6 +72,13 @@ class Prefetcher(Generic[T]):
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
+        while self._discard is not None:
+            try:
+                _, value, _ = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if value is not None:
+                self._discard(value)
 
     def close(self) -> None:
         """Stop the thread (idempotent)."""
@@ -80,7 +90,8 @@ class Prefetcher(Generic[T]):
 
 
 def _produce(load_ref: Callable[[], Callable[[int], Any] | None], pos: int, step: int,
-             stop: threading.Event, out: queue.Queue) -> None:
+             stop: threading.Event, out: queue.Queue,
+             discard: Callable[[Any], None] | None) -> None:
     while not stop.is_set():
         load = load_ref()
         if load is None:  # the owner is gone
@@ -90,13 +101,18 @@ def _produce(load_ref: Callable[[], Callable[[int], Any] | None], pos: int, step
         except BaseException as e:  # handed to the consumer, which raises it
             item = (pos, None, e)
         del load
-        while not stop.is_set():
+        delivered = False
+        while not stop.is_set() and load_ref() is not None:
             try:
                 out.put(item, timeout=0.05)
+                delivered = True
                 break
             except queue.Full:
-                if load_ref() is None:
-                    return
+                pass
+        if not delivered:  # stopped, or the owner is gone
+            if discard is not None and item[1] is not None:
+                discard(item[1])
+            return
         if item[2] is not None:
             return
         pos += step

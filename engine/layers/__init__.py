@@ -8,7 +8,7 @@ from .base import Layer, LayerError, create_layer, layer_class, register, regist
 for _mod in (".input", ".vision", ".lrn", ".neuron", ".common", ".inner_product", ".loss",
              ".normalization",
              ".python_layer", ".recurrent",
-             "engine.data.layers"):
+             "engine.data.layers", "engine.data.window", "engine.data.hdf5"):
     _importlib.import_module(_mod, __name__)
 
 __all__ = ["Layer", "LayerError", "create_layer", "layer_class", "register", "registered_types"]

@@ -143,15 +143,16 @@ class SoftmaxWithLossLayer(LossLayer):
         _check_label_count(self, bottom[1], self.outer, self.inner, bottom[0], self.axis)
         if len(top) > 1:
             top[1].reshape(bottom[0].shape)
-        elif self.prob is None or self.prob.shape != bottom[0].shape:
-            xp = backend.get_array_module(bottom[0].data)
-            self.prob = xp.empty_like(bottom[0].data)
 
     def _softmax_and_labels(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> Any:
         """Softmax of bottom[0] into ``self.prob`` and the labels into ``self.labels``;
         returns the probabilities as (outer, classes, inner)."""
         if len(top) > 1:
             self.prob = top[1].data  # Caffe's top[1] shares the probabilities
+        elif self.prob is None or self.prob.shape != bottom[0].shape:
+            # allocated at the first forward, not in reshape: a net built only for its shapes
+            # (the simulator) never holds an activation-sized array
+            self.prob = backend.get_array_module(bottom[0].data).empty_like(bottom[0].data)
         softmax(bottom[0].data, self.caxis, self.prob)
         self.labels = _ClassLabels(self, bottom[1].data, self.outer, self.inner,
                                    self.classes, self.ignore_label)

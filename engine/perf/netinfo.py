@@ -1,8 +1,8 @@
 """What the performance model needs to know of a net, without training it.
 
-The training net is built by the real engine (``engine.net.Net``) with fillers switched off
-(``fillers.shapes_only``): its arrays are zeros the OS has not backed with memory, so
-VGG-19-22K's 229M parameters cost no RAM, and every shape (Split layers, in-place layers,
+The training net is built by the real engine (``engine.net.Net``) inside ``blob.shapes_only``:
+no blob holds memory (each array is one value under its shape) and no filler runs, so
+VGG-19-22K's 229M parameters and GoogLeNet's activations at batch 256 cost no RAM, and every shape (Split layers, in-place layers,
 InnerProduct's input width) is exactly what training would see. The layers that synchronise,
 and which of them can hand out sufficient factors, come from the communicator's own adapter
 (``engine.comm.bind.describe_net``), so the simulator prices the plan the planner really makes.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from engine.comm.planner import LayerInfo
+from engine.comm.cost import LayerInfo
 from engine.pb import caffe_pb2
 
 DATA_TYPES = {"Data": "data_param", "ImageData": "image_data_param",
@@ -151,10 +151,10 @@ def with_inputs(net: caffe_pb2.NetParameter, batch: int | None = None,
 def net_info(model: str | Path | caffe_pb2.NetParameter, batch: int | None = None,
              input_shape: Sequence[int] | None = None) -> NetInfo:
     """The facts of ``model``'s training net (a net or solver prototxt, or a NetParameter)."""
-    from engine import fillers
+    from engine.blob import shapes_only
     from engine.comm.bind import describe_net
-    from engine.net import Net, NetError
     from engine.layers import LayerError
+    from engine.net import Net, NetError
 
     where = None
     if isinstance(model, caffe_pb2.NetParameter):
@@ -164,7 +164,7 @@ def net_info(model: str | Path | caffe_pb2.NetParameter, batch: int | None = Non
         where = Path(model).parent
     param, b = with_inputs(param, batch, input_shape, where)
     try:
-        with fillers.shapes_only():
+        with shapes_only():
             net = Net(param, phase="TRAIN")
     except (NetError, LayerError) as e:
         raise NetInfoError(str(e)) from None

@@ -38,12 +38,13 @@ def _ip(*args: str, netns: str | None = None, check: bool = True) -> subprocess.
     return done
 
 
-def check_root() -> None:
+def check_root(command: str = "bench cluster") -> None:
+    """Root and iproute2 are there, or a ClusterError that names ``command``."""
     if os.geteuid() != 0:
-        raise ClusterError("bench cluster needs root (network namespaces); run it with sudo")
+        raise ClusterError(f"{command} needs root (network namespaces); run it with sudo")
     for tool in ("ip", "tc"):
         if subprocess.run(["which", tool], capture_output=True).returncode != 0:
-            raise ClusterError(f"bench cluster needs the `{tool}` command (iproute2)")
+            raise ClusterError(f"{command} needs the `{tool}` command (iproute2)")
 
 
 def tbf_args(bits_per_s: float) -> list[str]:
@@ -136,6 +137,10 @@ class EmulatedCluster:
         self.procs.append(p)
         return p
 
+    def interface(self, host: int) -> str:
+        """The name of host ``host``'s end of its link, inside its namespace."""
+        return f"{self.tag}n{host}"
+
     def link_bytes(self, host: int) -> tuple[int, int]:
         """(bytes into, bytes out of) host ``host`` so far, as its link's bridge end counts
         them (what crosses the emulated network: headers included, a machine's own traffic
@@ -224,6 +229,18 @@ for _ in range({rounds}):
     t = time.perf_counter(); c.sendall(b"x"); c.recv(1); rtts.append(time.perf_counter() - t)
 print(statistics.median(rtts))
 """
+
+
+def enter_namespace(ns: str) -> None:
+    """Move this process (single-threaded: a fresh child) into network namespace ``ns``;
+    every socket it opens afterwards is in there (os.setns only comes with Python 3.12)."""
+    import ctypes
+
+    clone_newnet = 0x40000000
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    with open(f"/var/run/netns/{ns}") as f:
+        if libc.setns(f.fileno(), clone_newnet) != 0:
+            raise ClusterError(f"cannot enter namespace {ns}: {os.strerror(ctypes.get_errno())}")
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:

@@ -35,7 +35,7 @@ class TimingReport:
                 "iterations": self.iterations,
                 "forward_ms": self.forward_ms, "backward_ms": self.backward_ms,
                 "forward_backward_ms": self.total_ms,
-                "layers": [vars(l) for l in self.layers]}
+                "layers": [l.as_dict() for l in self.layers]}
 
 
 def _sync() -> None:

@@ -13,6 +13,13 @@ format, ``poseidon-layer-trace`` version 1::
 ``batch`` images on one worker. ``poseidon time --json`` output (keys net, iterations,
 layers[name, type, forward_ms, backward_ms]) is read as a trace too: its batch is taken from
 the net when given, and its source is recorded as such.
+
+A trace of a distributed run may also carry what was measured of its communication, so that
+the DAG recurrence can be checked without the link model: ``workers`` (how many there were),
+per layer with parameters ``comm_ms`` (how long its communication held the network, from
+its start to its mean gradient being there, as Horovod's timeline records an allreduce; a
+fused group's time on the first layer released, 0 on the others) and optionally
+``iteration_ms``, the measured steady-state iteration, to compare with.
 """
 from __future__ import annotations
 
@@ -37,6 +44,12 @@ class LayerTime:
     type: str
     forward_ms: float
     backward_ms: float
+    #: measured communication (a distributed run's trace), None when not measured
+    comm_ms: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON row: comm_ms only when it was measured."""
+        return {k: v for k, v in vars(self).items() if v is not None or k != "comm_ms"}
 
 
 @dataclass
@@ -47,6 +60,14 @@ class Trace:
     device: str = ""
     source: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    #: the run's worker count when the layers carry measured communication
+    workers: int | None = None
+    #: the run's measured steady-state iteration, to compare the recurrence with
+    iteration_ms: float | None = None
+
+    @property
+    def has_comm(self) -> bool:
+        return any(l.comm_ms is not None for l in self.layers)
 
     @property
     def forward_ms(self) -> float:
@@ -61,14 +82,21 @@ class Trace:
 
     def scaled(self, factor: float) -> "Trace":
         """Every time multiplied by ``factor`` (replay's --time-scale, a faster device...)."""
+        def times(x: float | None) -> float | None:
+            return None if x is None else x * factor
+
         return Trace(self.net, self.batch,
-                     [LayerTime(l.name, l.type, l.forward_ms * factor, l.backward_ms * factor)
-                      for l in self.layers], self.device, f"{self.source} x{factor:g}", self.extra)
+                     [LayerTime(l.name, l.type, l.forward_ms * factor, l.backward_ms * factor,
+                                times(l.comm_ms)) for l in self.layers],
+                     self.device, f"{self.source} x{factor:g}", self.extra, self.workers,
+                     times(self.iteration_ms))
 
     def as_dict(self) -> dict[str, Any]:
+        measured = {k: v for k, v in (("workers", self.workers),
+                                      ("iteration_ms", self.iteration_ms)) if v is not None}
         return {"format": FORMAT, "version": VERSION, "net": self.net, "batch": self.batch,
-                "device": self.device, "source": self.source,
-                "layers": [vars(l) for l in self.layers], **self.extra}
+                "device": self.device, "source": self.source, **measured,
+                "layers": [l.as_dict() for l in self.layers], **self.extra}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.as_dict(), indent=1) + "\n")
@@ -90,21 +118,33 @@ def trace_from_dict(d: Any, where: str = "trace") -> Trace:
     layers = []
     for i, row in enumerate(rows):
         try:
+            comm = row.get("comm_ms")
             lt = LayerTime(str(row["name"]), str(row.get("type", "")),
-                           float(row["forward_ms"]), float(row["backward_ms"]))
-        except (KeyError, TypeError, ValueError) as e:
+                           float(row["forward_ms"]), float(row["backward_ms"]),
+                           None if comm is None else float(comm))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise TraceError(f"{where}: layers[{i}]: needs name, forward_ms and backward_ms "
-                             f"({type(e).__name__}: {e})") from None
-        if not (lt.forward_ms >= 0 and lt.backward_ms >= 0):  # also rejects NaN
+                             f"(and comm_ms a number if given) ({type(e).__name__}: {e})") from None
+        if not (lt.forward_ms >= 0 and lt.backward_ms >= 0 and (
+                lt.comm_ms is None or lt.comm_ms >= 0)):  # also rejects NaN
             raise TraceError(f"{where}: layers[{i}] ({lt.name}): negative or NaN time")
         layers.append(lt)
     batch = d.get("batch")
     if batch is not None and (not isinstance(batch, int) or batch < 1):
         raise TraceError(f"{where}: batch must be a positive integer, got {batch!r}")
+    workers, iteration = d.get("workers"), d.get("iteration_ms")
+    if any(l.comm_ms is not None for l in layers) and (
+            not isinstance(workers, int) or isinstance(workers, bool) or workers < 2):
+        raise TraceError(f"{where}: layers carry comm_ms, so 'workers' must say how many "
+                         f"workers the run had (2 or more), got {workers!r}")
+    if iteration is not None and not (isinstance(iteration, (int, float)) and iteration > 0):
+        raise TraceError(f"{where}: iteration_ms must be a positive number, got {iteration!r}")
     source = str(d.get("source") or ("poseidon time --json" if fmt is None else ""))
-    known = {"format", "version", "net", "batch", "device", "source", "layers"}
+    known = {"format", "version", "net", "batch", "device", "source", "layers", "workers",
+             "iteration_ms"}
     extra = {k: v for k, v in d.items() if k not in known and fmt == FORMAT}
-    return Trace(str(d.get("net", "")), batch, layers, str(d.get("device", "")), source, extra)
+    return Trace(str(d.get("net", "")), batch, layers, str(d.get("device", "")), source, extra,
+                 workers, None if iteration is None else float(iteration))
 
 
 def load_trace(path: str | Path) -> Trace:

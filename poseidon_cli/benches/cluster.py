@@ -36,7 +36,7 @@ from typing import Any, Callable
 import numpy as np
 
 from engine.comm.auth import KEY_ENV, key_hex, new_key
-from engine.comm.link import Link
+from engine.comm.link import UNFAIR_MEASURED, Link
 from engine.perf.dag import Device, predict
 from engine.perf.netinfo import net_info
 from engine.perf.netns import EmulatedCluster
@@ -45,7 +45,7 @@ from engine.perf.trace import Trace, load_trace
 PORT = 29500
 #: a measurement whose machine was busier than this is not a cluster measurement
 CPU_SATURATED = 0.85
-_ITER_LINE = re.compile(r"^I\d{4} (\d{2}:\d{2}:\d{2}\.\d{6}) .*\] Iteration (\d+) \(")
+_ITER_LINE = re.compile(r"^I(\d{2})(\d{2}) (\d{2}:\d{2}:\d{2}\.\d{6}) .*\] Iteration (\d+) \(")
 
 
 class BenchError(RuntimeError):
@@ -176,14 +176,18 @@ def link_sampler(cluster: EmulatedCluster, period: float = 0.1) -> Sampler:
 
 
 def iteration_times(log: str) -> dict[int, float]:
-    """Iteration -> wall time (epoch seconds) of rank 0's 'Iteration N (' lines (today)."""
+    """Iteration -> wall time (epoch seconds) of rank 0's 'Iteration N (' lines, dated by
+    their glog month and day (a run may cross midnight; the year is this one's, or the last
+    one's for a December line read in January)."""
     today = dt.date.today()
     out = {}
     for line in log.splitlines():
         m = _ITER_LINE.match(line)
         if m:
-            t = dt.datetime.combine(today, dt.time.fromisoformat(m.group(1)))
-            out[int(m.group(2))] = t.timestamp()
+            month, day = int(m.group(1)), int(m.group(2))
+            year = today.year - (month > today.month)
+            t = dt.datetime.combine(dt.date(year, month, day), dt.time.fromisoformat(m.group(3)))
+            out[int(m.group(4))] = t.timestamp()
     return out
 
 
@@ -235,7 +239,7 @@ def measure(solver: Path, workers: int, scheme: str, bits_per_s: float, compute:
         with EmulatedCluster(workers // slots, bits_per_s / scale) as cluster, \
                 cpu_sampler() as cpu, link_sampler(cluster) as wire:
             link = Link(cluster.measure_latency(50), 8.0 / cluster.measure_goodput(),
-                        "emulated link, measured")
+                        "emulated link, measured", UNFAIR_MEASURED)
             hosts = out / "hosts.txt"
             hosts.write_text("".join(f"{a}:{PORT} slots={slots}\n" for a in cluster.addresses))
             procs = []

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from engine.comm.hosts import free_base_port
+from poseidon_cli.launch.hostfile import free_base_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BATCH = 32

@@ -92,6 +92,10 @@ class JobConfig:
         True, "--levels/--no-levels", show_default=True,
         help="With several workers per machine, reduce inside each machine first and send one "
         "copy per machine (--no-levels: every worker a node of its own).")
+    verbose: bool = option(
+        False, "-v", "--verbose", is_flag=True,
+        help="With workers: print the plan's whole table at start-up and the communication "
+        "counters of every layer at each display (they are always in --stats).")
     #: fine-tune from these weights files, in order
     weights: tuple[str, ...] = ()
     snapshot: str | None = option(None, "--snapshot", type=click.Path(dir_okay=False),

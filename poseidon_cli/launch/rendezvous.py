@@ -29,9 +29,18 @@ import zmq
 
 from engine.comm.auth import Signer, Verifier
 from engine.comm.errors import CommError
-from engine.comm.hosts import (HostEntry, HostsError, check_fields, check_host, check_table,
-                               port_owner, reserve_ports, table_from_rows, table_rows)
+from engine.comm.hosts import (
+    HostEntry,
+    HostsError,
+    check_fields,
+    check_host,
+    check_table,
+    port_owner,
+    table_from_rows,
+    table_rows,
+)
 
+from .hostfile import reserve_ports
 from .managers import Placement
 
 #: the largest JOIN a rank may send (a few hundred bytes in practice)
@@ -134,7 +143,7 @@ class Rendezvous:
         if isinstance(verdict, str):  # not this job's: dropped, as the transport drops it
             self.dropped += 1
             return
-        session = verdict[0]
+        session = verdict.session
         try:
             join = check_join(payload)
         except CommError:
@@ -321,7 +330,7 @@ def _join(p: Placement, key: bytes, timeout: float, addr: str, where: str, me: s
             if len(frames) != 2 or isinstance(verdict := verifier.verify(frames[:1], frames[1]),
                                               str):
                 continue  # not from this job's rank 0: dropped
-            if verifier.accept("rank 0", *verdict) is not None:
+            if verifier.accept("rank 0", verdict.session, verdict.counter) is not None:
                 continue
             answer = _check_answer(frames[0], nonce, where)
             if answer is None:

@@ -16,11 +16,24 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from engine.comm.hosts import (DEFAULT_PORT, HostEntry, HostsError, Machine, check_resolvable,
-                               free_base_port, is_local_host, local_addresses, parse_hosts,
-                               parse_slots, reserve_ports, table_of)
+from engine.comm.hosts import (
+    HostEntry,
+    HostsError,
+    Machine,
+    is_local_host,
+    local_addresses,
+    table_of,
+)
 
 from .config import JobConfig
+from .hostfile import (
+    DEFAULT_PORT,
+    check_resolvable,
+    free_base_port,
+    parse_hosts,
+    parse_slots,
+    reserve_ports,
+)
 
 
 def resolve(hosts: str | None, host_list: str | None, nproc: int | None,

@@ -58,7 +58,7 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
     from engine.comm.bind import describe_net
     from engine.comm.link import LinkError, parse_link
     from engine.comm.plan_file import write_plan
-    from engine.comm.planner import plan_table
+    from engine.comm.planner import make_plan, plan_table
     from engine.comm.stats import CommStats
     from engine.comm.syncer import Syncer, frame_limit, open_worker
     from engine.snapshots import describe_os_error
@@ -86,20 +86,26 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
     pinned = recorded_plan(config, infos, entries, allow_sfb, gpu is not None, momentum) \
         if rank == 0 else None
 
-    def make_plan(probed: Any, local: Any) -> Any:  # rank 0's: every worker follows it
+    def planner(probed: Any, local: Any) -> Any:  # rank 0's: every worker follows it
         plan, why = pinned or (None, "")
         if plan is None:
-            plan = plan_for(solver.net, infos, entries, config, probed, local,
-                            allow_sfb=allow_sfb, on_gpu=gpu is not None, momentum=momentum)
+            plan = make_plan(infos, world, plan_options(
+                config, entries, allow_sfb, gpu is not None, momentum, solver.net, infos,
+                probed, local))
             why = plan.why()
-        glog.info(f"Communication plan for {world} workers: {plan.summary()} ({why})")
+        levels = (f" ({world // plan.slots} machines of {plan.slots}, reducing inside each "
+                  "machine first)" if plan.slots > 1 else "")
+        wire = f"; wire {plan.wire()}" if plan.codec != "fp32" else ""
+        glog.info(f"Communication plan for {world} workers{levels}: {plan.summary()} ({why})"
+                  f"{wire}")
         written = f"{solver.snapshot_prefix()}_plan.prototxt"
         try:
             write_plan(written, plan.to_pb())
             glog.info(f"Plan written to {written}: `--plan {written}` makes another run follow it")
         except OSError as e:
             glog.warning(f"cannot write the plan to {written}: {describe_os_error(e)}")
-        glog.info(plan_table(plan, world))
+        if config.verbose:
+            glog.info(plan_table(plan, world))
         glog.info(f"The losses and outputs below are rank 0's, over its {total // world} of the "
                   f"{total} images of each iteration")
         stats.extra["plan"] = [{"layer": p.info.name, "index": p.info.layer,
@@ -141,10 +147,11 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
 
         def report(rnd: int) -> None:
             if rank == 0 and display and (rnd + 1) % display == 0:
-                for line in stats.format_lines():
+                lines = stats.format_lines()
+                for line in lines if config.verbose else lines[:1]:
                     glog.info(line)
 
-        sync = Syncer(ep, slots, solver.update_layer, planner=make_plan, link=link,
+        sync = Syncer(ep, slots, solver.update_layer, planner=planner, link=link,
                       levels=config.levels, chunk_bytes=config.chunk_bytes,
                       priority=config.priority, on_round_done=report)
         solver.attach_sync(sync, momentum_by_sync=sync.momentum_layers)
@@ -205,8 +212,6 @@ def recorded_plan(config: JobConfig, infos: list[Any], entries: list[Any], allow
     from engine.comm.plan_file import read_plan
     from engine.comm.plan_file import recorded_plan as snapshot_plan
     from engine.comm.planner import PlanMismatch, pin_plan
-    from engine.comm.probe import probe_device
-    from engine.comm.topology import Topology
 
     source = config.plan or config.snapshot
     if source is None:
@@ -220,13 +225,9 @@ def recorded_plan(config: JobConfig, infos: list[Any], entries: list[Any], allow
         return None
     if recorded is None:
         return None
-    topo = Topology.of(entries, 0)
-    slots = topo.slots if config.levels and topo.two_level else 1
     try:
-        plan = pin_plan(recorded, infos, len(entries), config.codec, allow_sfb,
-                        probe_device(on_gpu), config.chunk_bytes, slots,
-                        machines=len(topo.machines),
-                        sparse=(config.sparse, config.sparse_warmup, momentum))
+        plan = pin_plan(recorded, infos, len(entries),
+                        plan_options(config, entries, allow_sfb, on_gpu, momentum))
     except PlanMismatch as e:
         if config.plan:
             raise CommError(f"--plan {config.plan} does not fit this run: {e}") from None
@@ -236,30 +237,34 @@ def recorded_plan(config: JobConfig, infos: list[Any], entries: list[Any], allow
                   f"recorded in {source}: the resumed run sums as the run that wrote it")
 
 
-def plan_for(net: Any, infos: list[Any], entries: list[Any], config: JobConfig, link: Any,
-             local_link: Any, allow_sfb: bool, on_gpu: bool, momentum: float) -> Any:
-    """Rank 0's plan for ``net`` on the network ``link`` (and ``local_link`` inside a machine):
-    this machine's probed speeds, and the backward time of every layer estimated from its
-    arithmetic (for --fusion-ms). ``momentum``: what the sparse codec applies (its momentum
-    correction; 0: none)."""
-    from engine.comm.topology import Topology
-    from engine.comm.planner import make_plan
+def plan_options(config: JobConfig, entries: list[Any], allow_sfb: bool, on_gpu: bool,
+                 momentum: float, net: Any = None, infos: list[Any] | None = None,
+                 link: Any = None, local_link: Any = None) -> Any:
+    """Rank 0's PlanOptions: the job's settings, this machine's probed speeds, where the
+    workers are, the links (when known) and, with fusion and a ``net``, the backward time of
+    every layer estimated from its arithmetic (for --fusion-ms). ``momentum``: what the sparse
+    codec applies (its momentum correction; 0: none)."""
+    from engine.comm.planner import DEFAULT_LINK, DEFAULT_LOCAL_LINK, PlanOptions
     from engine.comm.probe import probe_device
-    from engine.perf.flops import DeviceSpeed, trace_from_flops
-    from engine.perf.netinfo import facts_of
+    from engine.comm.topology import Topology
 
     device = probe_device(on_gpu)
     backward_s = None
-    if config.fusion_mb > 0:
+    if config.fusion_mb > 0 and net is not None:
+        from engine.perf.flops import DeviceSpeed, trace_from_flops
+        from engine.perf.netinfo import facts_of
         speed = DeviceSpeed(device.name, device.gemm_flops_per_s, device.add_bytes_per_s / 3)
         trace = trace_from_flops(facts_of(net, infos), speed)
-        backward_s = [t.backward_ms / 1e3 for t in trace.layers]
+        backward_s = tuple(t.backward_ms / 1e3 for t in trace.layers)
     topo = Topology.of(entries, 0)
-    slots = topo.slots if config.levels and topo.two_level else 1
-    return make_plan(infos, len(entries), config.comm, allow_sfb, link, device,
-                     config.chunk_bytes, config.codec, int(config.fusion_mb * (1 << 20)),
-                     config.fusion_ms / 1e3, backward_s, config.sparse, config.sparse_warmup,
-                     momentum, slots=slots, local_link=local_link, machines=len(topo.machines))
+    return PlanOptions(
+        comm=config.comm, allow_sfb=allow_sfb, link=link or DEFAULT_LINK,
+        local_link=local_link or DEFAULT_LOCAL_LINK, device=device,
+        chunk_bytes=config.chunk_bytes, codec=config.codec,
+        sparse=(config.sparse, config.sparse_warmup, momentum),
+        fusion_bytes=int(config.fusion_mb * (1 << 20)), fusion_s=config.fusion_ms / 1e3,
+        backward_s=backward_s, slots=topo.slots if config.levels and topo.two_level else 1,
+        machines=len(topo.machines))
 
 
 def main(argv: list[str] | None = None) -> None:

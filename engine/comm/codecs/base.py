@@ -12,17 +12,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..schemes.base import Unit
-from ..transport import INDEX_PHASE
+from engine.pb import poseidon_pb2 as pb
+
+from ..units import Unit
 
 #: sum_vector(unit, rnd, phase, vec, bits, on_done(total, bits))
 SumVector = Callable[[Unit, int, int, np.ndarray, int, Callable[[np.ndarray, int], None]], None]
 Finish = Callable[[np.ndarray, int], None]
 
-#: the phases (Header.phase) of a unit's vectors: the values a round sums, a codec's index
-#: (counted apart, as '<scheme>/index'), and a codec's whole vector when it also sends another
-VALUES_PHASE, DENSE_PHASE = 0, 2
-__all__ = ["Codec", "SumVector", "Finish", "VALUES_PHASE", "INDEX_PHASE", "DENSE_PHASE"]
+__all__ = ["Codec", "SumVector", "Finish"]
 
 
 class Codec:
@@ -39,7 +37,7 @@ class Codec:
 
     def vectors(self, count: int) -> dict[int, int]:
         """phase -> length of the vector each round sums for a unit of ``count`` values."""
-        return {VALUES_PHASE: count}
+        return {pb.PHASE_VALUES: count}
 
     def encode(self, unit_id: int, x: np.ndarray) -> tuple[np.ndarray, int]:
         """``x`` (float32) as it goes on the wire, and the flag bits it raises."""
@@ -57,7 +55,7 @@ class Codec:
     def reduce(self, unit: Unit, rnd: int, vec: np.ndarray, bits: int, sum_vector: SumVector,
                finish: Finish) -> None:
         """Sum ``vec`` (the unit's local gradients) over the workers, then ``finish``."""
-        sum_vector(unit, rnd, VALUES_PHASE, vec, bits, finish)
+        sum_vector(unit, rnd, pb.PHASE_VALUES, vec, bits, finish)
 
     def after_round(self, unit_id: int, bits: int) -> bool:
         """Called once per unit and round with the agreed bits; False: skip this update."""

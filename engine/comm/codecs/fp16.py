@@ -1,7 +1,8 @@
 """``fp16``: half the bytes on the wire.
 
 Values are multiplied by a per-unit scale before rounding (small gradients stay normal
-numbers). A sum that overflows raises OVERFLOW_BIT in the round's messages; every worker sees it
+numbers). A sum that overflows raises the REQUEST_OVERFLOW bit in the round's messages; every
+worker sees it
 (the bits are ORed along the way), skips that unit's update for the round, halves the unit's
 scale and counts the skip. After ``GROW_AFTER`` clean rounds the scale doubles again. The scale
 depends only on those bits, so it is the same everywhere.
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..schemes.base import OVERFLOW_BIT
+from engine.pb import poseidon_pb2 as pb
+
 from .base import Codec
 
 
@@ -32,7 +34,7 @@ class Fp16Codec(Codec):
     def encode(self, unit_id: int, x: np.ndarray) -> tuple[np.ndarray, int]:
         with np.errstate(over="ignore", invalid="ignore"):
             h = (x * np.float32(self.scale(unit_id))).astype(np.float16)
-        return h, 0 if np.isfinite(h).all() else OVERFLOW_BIT
+        return h, 0 if np.isfinite(h).all() else pb.REQUEST_OVERFLOW
 
     def decode(self, unit_id: int, a: np.ndarray) -> np.ndarray:
         out = a.astype(np.float32)
@@ -44,7 +46,7 @@ class Fp16Codec(Codec):
         return self.decode(unit_id, h), bits
 
     def after_round(self, unit_id: int, bits: int) -> bool:
-        if bits & OVERFLOW_BIT:
+        if bits & pb.REQUEST_OVERFLOW:
             self._scale[unit_id] = self.scale(unit_id) / 2
             self._clean[unit_id] = 0
             self.skipped += 1

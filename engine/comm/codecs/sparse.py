@@ -47,8 +47,10 @@ from typing import Any
 
 import numpy as np
 
-from ..schemes.base import Unit
-from .base import DENSE_PHASE, INDEX_PHASE, VALUES_PHASE, Codec, Finish, SumVector
+from engine.pb import poseidon_pb2 as pb
+
+from ..units import Unit
+from .base import Codec, Finish, SumVector
 
 f32 = np.float32
 
@@ -104,10 +106,10 @@ class SparseCodec(Codec):
     def vectors(self, count: int) -> dict[int, int]:
         chunks, chosen = self.geometry(count)
         if chosen is None:
-            return {DENSE_PHASE: count}
-        out = {VALUES_PHASE: chosen * self.CHUNK, INDEX_PHASE: chunks}
+            return {pb.PHASE_DENSE: count}
+        out = {pb.PHASE_VALUES: chosen * self.CHUNK, pb.PHASE_INDEX: chunks}
         if self.warmup:
-            out[DENSE_PHASE] = count
+            out[pb.PHASE_DENSE] = count
         return out
 
     def residual(self, unit_id: int) -> np.ndarray:
@@ -129,7 +131,7 @@ class SparseCodec(Codec):
             self.dense_rounds += 1
             vec[...] = st.residual[:n]  # ``vec`` is the scheme's: it may send it as it is
             st.residual[:n] = 0
-            sum_vector(unit, rnd, DENSE_PHASE, vec, bits, finish)
+            sum_vector(unit, rnd, pb.PHASE_DENSE, vec, bits, finish)
             return
         self.sparse_rounds += 1
         rows = st.residual.reshape(st.chunks, self.CHUNK)
@@ -147,9 +149,9 @@ class SparseCodec(Codec):
                                                                                  self.CHUNK)
                 finish(st.summed[:n], bits)
 
-            sum_vector(unit, rnd, VALUES_PHASE, st.packed, bits, values_summed)
+            sum_vector(unit, rnd, pb.PHASE_VALUES, st.packed, bits, values_summed)
 
-        sum_vector(unit, rnd, INDEX_PHASE, st.norms, bits, norms_summed)
+        sum_vector(unit, rnd, pb.PHASE_INDEX, st.norms, bits, norms_summed)
 
     def _state(self, unit: Unit) -> _State:
         st = self._units.get(unit.id)

@@ -1,9 +1,8 @@
-"""What every synchronisation scheme is: the unit it synchronises, the host it runs in, its
-interface, and the gathering and scattering of a unit's gradients.
+"""What every synchronisation scheme is: the host it runs in and its interface.
 
-A *unit* is one layer, or a fusion bucket of layers released by backward one after the other,
-that travels as one operation. The syncer (engine/comm/syncer.py) schedules units; a scheme
-moves one unit's round and turns the local gradients into the global mean:
+A scheme synchronises *units* (engine/comm/units.py). The syncer (engine/comm/syncer.py)
+schedules units; a scheme moves one unit's round and turns the local gradients into the global
+mean:
 
 - ``capture`` runs on the training thread at release (copy what the next forward overwrites);
 - ``start`` runs on the progress thread once the local gradients are final;
@@ -18,76 +17,19 @@ units that need it. ``timing`` prices one layer for the planner and the DAG mode
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol, Sequence
 
 import numpy as np
 
-from engine import backend
 from engine.pb import poseidon_pb2 as pb
+
+from ..cost import Device, LayerTiming
+from ..units import LayerSlot, Unit, gather, is_view, scatter_mean, split
 
 if TYPE_CHECKING:
     from ..codecs import Codec
     from ..topology import Topology
     from ..transport import Endpoint, Message, PeerId
-
-#: Header.request bits: signals (snapshot, stop), then the codecs' flags
-SNAPSHOT_BIT, STOP_BIT, OVERFLOW_BIT = 1, 2, 4
-
-
-@dataclass
-class ParamSlot:
-    index: int       # learnable-parameter index
-    name: str        # "layer/i"
-    blob: Any        # has .data and .diff (numpy or cupy)
-    role: str        # "weight" (grad uᵀ·v), "weight_t" (grad vᵀ·u), "bias" (Σ rows of u), "other"
-
-
-@dataclass
-class LayerSlot:
-    """What the communicator knows of one layer with learnable parameters."""
-    layer: int
-    name: str
-    params: list[ParamSlot]
-    #: returns the sufficient factors (u, v) of the last backward; None if the layer has none
-    factors: Callable[[], tuple[Any, Any]] | None = None
-    #: (K, M, N): u is K x N and v is K x M, the shapes peers' factors are checked against
-    factor_shape: tuple[int, int, int] | None = None
-    #: tells the layer that its weight gradient is rebuilt from the factors (skip the GEMM)
-    defer_weight_gradient: Callable[[bool], None] | None = None
-
-    @property
-    def count(self) -> int:
-        return sum(int(p.blob.diff.size) for p in self.params)
-
-
-@dataclass
-class Unit:
-    """One synchronisation operation's layers; ``id`` is its lowest layer index (on the wire)."""
-    layers: list[LayerSlot]
-    scheme: str
-    id: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.id = min(s.layer for s in self.layers)
-
-    @property
-    def name(self) -> str:
-        return "+".join(s.name for s in self.layers)
-
-    @property
-    def params(self) -> list[ParamSlot]:
-        return [p for s in self.layers for p in s.params]
-
-    @property
-    def count(self) -> int:
-        return sum(s.count for s in self.layers)
-
-    @property
-    def priority(self) -> int:
-        """Lower goes first: the next forward needs the lowest layer first."""
-        return self.id
-
 
 class Host(Protocol):
     """What the syncer offers a scheme."""
@@ -104,48 +46,6 @@ class Host(Protocol):
 
     def done(self, unit: Unit, rnd: int, bits: int) -> None:
         """The mean gradient of ``unit``'s round ``rnd`` is in its diffs: apply the update."""
-
-
-@dataclass
-class LayerTiming:
-    """One layer's cost on the busiest node, as the planner and the DAG model see it."""
-    name: str
-    scheme: str
-    bytes_sent: float  # per iteration
-    bytes_received: float
-    up_s: float        # on the node's sending side of the link
-    down_s: float      # on its receiving side
-    #: how long after the sending starts the first bytes of the answer can come back
-    lag_s: float
-    #: how long after the sending ends the last answer can have come back
-    tail_s: float
-    reduce_s: float    # on the progress thread: reconstruction, sums, the update off-device
-    update_s: float = 0.0  # the solver update of the layer
-
-    @property
-    def total_s(self) -> float:
-        """Release to applied for this layer alone on an idle link: what the planner compares."""
-        return max(self.up_s + self.tail_s, self.lag_s + self.down_s) + self.reduce_s
-
-
-@dataclass(frozen=True)
-class Device:
-    """Costs outside the trace: what the machine running a worker and its shard spends on the
-    solver update, on SFB's reconstruction and on sums."""
-    name: str = "default: a GPU worker (update 300 GB/s, GEMM 5 TFLOP/s), CPU shard (8 GB/s)"
-    #: the solver update streams about ``update_passes`` x 4 bytes per parameter
-    update_bytes_per_s: float = 300e9
-    update_passes: float = 5.0
-    #: SFB's reconstruction u^T v (2 flops per multiply-add)
-    gemm_flops_per_s: float = 5e12
-    #: adding arrays (a shard's sums, a ring step's sums), on a CPU
-    add_bytes_per_s: float = 8e9
-    #: the update runs on the device that computes (a GPU's kernels queue behind backward's),
-    #: so it takes compute time; False when the CPU does the update beside the compute
-    update_on_device: bool = True
-
-    def update_s(self, params_bytes: float) -> float:
-        return self.update_passes * params_bytes / self.update_bytes_per_s
 
 
 class Scheme(ABC):
@@ -257,7 +157,7 @@ class DenseScheme(Scheme):
         self._buffers: dict[int, np.ndarray] = {}
 
     def start(self, unit: Unit, rnd: int, bits: int, captured: Any) -> None:
-        if unit.id not in self._buffers and not _is_view(unit):
+        if unit.id not in self._buffers and not is_view(unit):
             self._buffers[unit.id] = np.empty(unit.count, np.dtype(unit.params[0].blob.diff.dtype))
         vec = gather(unit, self._buffers.get(unit.id))
         world = self.host.world  # the mean over every worker, whatever the levels
@@ -293,59 +193,6 @@ class DenseScheme(Scheme):
         Sends are zero-copy: a scheme must not change an array it sent until the peer has it.
         When ``on_done`` runs, every send of ``vec`` must have been received (the sum needed
         it), so the caller may overwrite ``vec``; ``total`` may still be in flight."""
-
-
-# --------------------------------------------------------------- a unit's gradient vector
-def _is_view(unit: Unit) -> bool:
-    params = unit.params
-    return len(params) == 1 and isinstance(params[0].blob.diff, np.ndarray) \
-        and params[0].blob.diff.flags.c_contiguous
-
-
-def gather(unit: Unit, out: np.ndarray | None = None) -> np.ndarray:
-    """The unit's local gradients as one flat host vector: a view of the diff when the unit
-    is one C-contiguous NumPy parameter, else copied into ``out`` (allocated if None)."""
-    params = unit.params
-    if _is_view(unit):
-        return params[0].blob.diff.reshape(-1)
-    if out is None:
-        out = np.empty(unit.count, dtype=np.dtype(params[0].blob.diff.dtype))
-    offset = 0
-    for p in params:
-        n = int(p.blob.diff.size)
-        out[offset:offset + n] = backend.to_numpy(p.blob.diff).reshape(-1)
-        offset += n
-    return out
-
-
-def scatter_mean(unit: Unit, total: np.ndarray, world: int, vec: np.ndarray) -> None:
-    """``total / world`` into the unit's diffs: straight into a contiguous NumPy diff (one pass),
-    else through ``vec`` (the unit's gathered vector, free once the sum is complete)."""
-    offset = 0
-    for p in unit.params:
-        diff = p.blob.diff
-        n = int(diff.size)
-        part = total[offset:offset + n]
-        if isinstance(diff, np.ndarray) and diff.flags.c_contiguous:
-            np.divide(part, world, out=diff.reshape(-1))
-        else:
-            staged = vec[offset:offset + n]
-            np.divide(part, world, out=staged)
-            diff[...] = backend.get_array_module(diff).asarray(staged.reshape(diff.shape),
-                                                               dtype=diff.dtype)
-        offset += n
-
-
-def split(count: int, parts: int) -> list[tuple[int, int]]:
-    """``count`` values cut into ``parts`` contiguous (offset, length) pieces, the first
-    ``count % parts`` one longer; some are empty when count < parts."""
-    base, extra = divmod(count, parts)
-    out, offset = [], 0
-    for i in range(parts):
-        n = base + (1 if i < extra else 0)
-        out.append((offset, n))
-        offset += n
-    return out
 
 
 def arrays_are(msg: "Message", want: list[tuple[tuple[int, ...], str]]) -> str | None:

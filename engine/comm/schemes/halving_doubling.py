@@ -35,8 +35,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..cost import Device, LayerTiming
 from ..transport import WORKER, Message, PeerId
-from .base import DenseScheme, Device, LayerTiming, Unit, arrays_are, split
+from ..units import Unit, split
+from .base import DenseScheme, arrays_are
 
 Pieces = tuple[tuple[int, int], ...]
 FOLD = 0
@@ -146,14 +148,16 @@ class HalvingDoubling(DenseScheme):
             hops = [(nbytes, True)] + hops + [(nbytes, False)]
         # per direction: the halves, the gathered halves, and a folded pair's whole vector
         moved = 2 * sum(sizes) + (nbytes if world > q else 0.0)
-        # every step waits for the one before: its latency, its bytes and, halving, the adds
-        chain = sum(link.alpha_s + link.beta_s_per_byte * s + (s / device.add_bytes_per_s
-                                                               if adds else 0.0)
+        # every step waits for the one before: its latency, its bytes and, halving, the adds.
+        # The partners of a step swap the same bytes at once, so both sides of the link are
+        # held from the first step to the last: the gaps of the adds are the layer's, not
+        # another layer's (the next layer's bytes would otherwise share the link with its steps)
+        beta = link.beta_s_per_byte * link.slowdown(1)  # one partner at a time
+        chain = sum(link.alpha_s + beta * s + (s / device.add_bytes_per_s if adds else 0.0)
                     for s, adds in hops)
-        busy = link.beta_s_per_byte * moved + len(hops) * link.alpha_s
         update = device.update_s(info.params * info.itemsize)
-        return LayerTiming(info.name, cls.name, moved, moved, busy, busy, chain - busy,
-                           chain - busy, 0.0 if device.update_on_device else update, update)
+        return LayerTiming(info.name, cls.name, moved, moved, chain, chain, 0.0, 0.0,
+                           0.0 if device.update_on_device else update, update)
 
     # ---------------------------------------------------------------------------- rounds
     def sum_vector(self, unit: Unit, rnd: int, phase: int, vec: np.ndarray, bits: int,

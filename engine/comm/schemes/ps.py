@@ -19,8 +19,10 @@ import numpy as np
 
 from engine.pb import poseidon_pb2 as pb
 
+from ..cost import Device, LayerTiming
 from ..transport import SHARD, Message, PeerId
-from .base import DenseScheme, Device, LayerTiming, Unit, arrays_are, split
+from ..units import Unit, split
+from .base import DenseScheme, arrays_are
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 #: below this a vector is not split further just to spread it over the shards
@@ -157,9 +159,11 @@ class PS(DenseScheme):
 
     @classmethod
     def timing(cls, info: Any, world: int, link: Any, device: Device, chunk_bytes: int,
-               wire_itemsize: int, chunks: list[tuple[int, int]] | None = None) -> LayerTiming:
+               wire_itemsize: int, chunks: list[tuple[int, int]] | None = None,
+               node: int | None = None) -> LayerTiming:
         """``chunks``: [(bytes, shard)] of the layer in the job's whole table; None: the layer's
-        own chunks spread over the shards by themselves."""
+        own chunks spread over the shards by themselves. ``node``: the node whose link is
+        priced (the job's busiest over all its layers); None: this layer's busiest."""
         if chunks is None:
             table = make_layout([PSParam(0, info.layer, info.params, f"<f{wire_itemsize}")],
                                 world, chunk_bytes)
@@ -167,25 +171,29 @@ class PS(DenseScheme):
         p = world
         sent, recv, adds = [0.0] * p, [0.0] * p, [0.0] * p
         for nbytes, shard in chunks:
-            for node in range(p):
-                if node == shard:  # its shard takes P-1 remote pushes and sends P-1 sums
-                    sent[node] += (p - 1) * nbytes
-                    recv[node] += (p - 1) * nbytes
-                    adds[node] += (p - 1) * nbytes
-                else:              # its worker pushes the chunk and gets the sum back
-                    sent[node] += nbytes
-                    recv[node] += nbytes
-        busiest = max(range(p), key=lambda n: (max(sent[n], recv[n]), adds[n]))
+            for n in range(p):
+                if n == shard:  # its shard takes P-1 remote pushes and sends P-1 sums
+                    sent[n] += (p - 1) * nbytes
+                    recv[n] += (p - 1) * nbytes
+                    adds[n] += (p - 1) * nbytes
+                else:           # its worker pushes the chunk and gets the sum back
+                    sent[n] += nbytes
+                    recv[n] += nbytes
+        busiest = node if node is not None else max(
+            range(p), key=lambda n: (max(sent[n], recv[n]), adds[n]))
         largest = max((b for b, _ in chunks), default=0)
         update = device.update_s(info.params * info.itemsize)
-        # a chunk's sum leaves its shard once the P pushes are in and added: the answers trail
-        # the pushes by one chunk's transfer and addition, at the start and at the end
+        # a node pushes to P-1 shards and its shard answers P-1 workers at once: a chunk's sum
+        # leaves once the slowest push of it is in and every worker's round ends with the
+        # slowest answer, so the many flows' unfair shares stretch both sides (Link.slowdown)
+        beta = link.beta_s_per_byte * link.slowdown(p - 1)
+        # the answers trail the pushes by one chunk's transfer and addition, at the start and
+        # at the end
         add = (p - 1) * largest / device.add_bytes_per_s
         return LayerTiming(info.name, cls.name, sent[busiest], recv[busiest],
-                           link.alpha_s + link.beta_s_per_byte * sent[busiest],
-                           link.alpha_s + link.beta_s_per_byte * recv[busiest],
-                           link.alpha_s + link.beta_s_per_byte * largest + add,
-                           link.beta_s_per_byte * largest + add,
+                           link.alpha_s + beta * sent[busiest],
+                           link.alpha_s + beta * recv[busiest],
+                           link.alpha_s + beta * largest + add, beta * largest + add,
                            0.0 if device.update_on_device else update, update)
 
     def sum_vector(self, unit: Unit, rnd: int, phase: int, vec: np.ndarray, bits: int,

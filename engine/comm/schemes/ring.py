@@ -28,8 +28,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..cost import Device, LayerTiming
 from ..transport import WORKER, Message, PeerId
-from .base import DenseScheme, Device, LayerTiming, Unit, arrays_are, split
+from ..units import Unit, split
+from .base import DenseScheme, arrays_are
 
 
 class _Op:
@@ -76,25 +78,30 @@ class Ring(DenseScheme):
                wire_itemsize: int) -> LayerTiming:
         nbytes = info.params * wire_itemsize
         seg = nbytes / world
-        sub = min(seg, chunk_bytes)
-        moved = 2.0 * (world - 1) * seg
+        sub = seg / max(1, math.ceil(seg / chunk_bytes))
         steps = 2 * (world - 1)
-        # a sub-chunk's hop (latency, transfer, the addition on arrival): each step waits for
-        # the previous one's, so a small layer takes `steps` hops; a large one is bandwidth-
-        # bound, the sub-chunks of a step pipelining behind the first
-        hop = link.alpha_s + link.beta_s_per_byte * sub + sub / device.add_bytes_per_s
-        busy = link.beta_s_per_byte * moved + steps * link.alpha_s
-        chain = steps * hop
+        moved = steps * seg
+        # Every node sends to its right while it receives from its left the same bytes at the
+        # same moments, so both sides of its link are held for one span. A step's first
+        # sub-chunk waits for the step before's (its latency and transfer, and in the
+        # reduce-scatter its addition), so the last step starts that chain in at the earliest
+        # and then sends its whole segment; a large layer is bandwidth-bound, the sub-chunks
+        # of each step pipelining behind the first, and the latency counts once per step.
+        beta = link.beta_s_per_byte * link.slowdown(1)  # one peer each way
+        hop = link.alpha_s + beta * sub
+        chain = (steps - 1) * hop + (world - 1) * sub / device.add_bytes_per_s
+        busy = beta * moved + steps * link.alpha_s
+        span = max(busy, chain + link.alpha_s + beta * seg)
         update = device.update_s(info.params * info.itemsize)
+        # the progress thread's additions are also priced after the round, as if they did not
+        # overlap the transfers: the planner's choices between ring and PS rest on it
         adds = (world - 1) * seg / device.add_bytes_per_s
-        return LayerTiming(info.name, cls.name, moved, moved, busy - hop, busy - hop, hop,
-                           max(hop, chain - busy),
+        return LayerTiming(info.name, cls.name, moved, moved, span, span, 0.0, 0.0,
                            adds + (0.0 if device.update_on_device else update), update)
 
     # ---------------------------------------------------------------------------- rounds
     def sum_vector(self, unit: Unit, rnd: int, phase: int, vec: np.ndarray, bits: int,
                    on_done: Any) -> None:
-        host = self.host
         geo = self._geometry[(unit.id, phase)]
         key = (unit.id, phase)
         if key not in self._out:

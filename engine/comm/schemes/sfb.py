@@ -13,11 +13,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from engine import backend
-from engine import timeline
+from engine import backend, timeline
 
+from ..cost import Device, LayerTiming
 from ..transport import WORKER, Message, PeerId
-from .base import Device, LayerSlot, LayerTiming, Scheme, Unit, arrays_are
+from ..units import LayerSlot, Unit
+from .base import Scheme, arrays_are
 
 FACTORS, UP, PEER, DOWN = 0, 1, 2, 3
 
@@ -67,7 +68,8 @@ class SFB(Scheme):
         sent = recv = (world - 1) * k * (m + n) * info.itemsize
         rebuild = 2.0 * world * k * m * n / device.gemm_flops_per_s
         update = device.update_s(info.params * info.itemsize)
-        one_way = link.alpha_s + link.beta_s_per_byte * sent
+        # to and from P-1 peers at once: the round ends with the slowest flow
+        one_way = link.alpha_s + link.beta_s_per_byte * link.slowdown(world - 1) * sent
         return LayerTiming(info.name, cls.name, sent, recv, one_way, one_way, 0.0, 0.0,
                            rebuild + (0.0 if device.update_on_device else update), update)
 
@@ -83,9 +85,11 @@ class SFB(Scheme):
         down = local_link.alpha_s + local_link.beta_s_per_byte * machines * slots * k * row
         rebuild = 2.0 * machines * slots * k * m * n / device.gemm_flops_per_s
         update = device.update_s(info.params * info.itemsize)
-        one_way = link.alpha_s + link.beta_s_per_byte * sent
-        return LayerTiming(info.name, cls.name, sent, recv, one_way, one_way, up, down,
-                           rebuild + (0.0 if device.update_on_device else update), update)
+        one_way = link.alpha_s + link.beta_s_per_byte * link.slowdown(machines - 1) * sent
+        # the leader sends once its mates' factors are in, and hands every machine's rows down
+        return LayerTiming(info.name, cls.name, sent, recv, one_way, one_way, 0.0, down,
+                           rebuild + (0.0 if device.update_on_device else update), update,
+                           start_s=up)
 
     # ---------------------------------------------------------------------------- roles
     def _leader(self, unit: Unit, machine: int) -> int:

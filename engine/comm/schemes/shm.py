@@ -43,9 +43,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..cost import Device, LayerTiming
 from ..errors import CommError
 from ..transport import WORKER, Message, PeerId
-from .base import DenseScheme, Device, LayerTiming, Unit, arrays_are, split
+from ..units import Unit, split
+from .base import DenseScheme, arrays_are
 
 #: where the segment lives (a tmpfs on Linux); without it shm is not offered
 SHM_DIR = "/dev/shm"

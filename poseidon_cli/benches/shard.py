@@ -30,10 +30,18 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from engine.comm.hosts import HostEntry, free_base_port, parse_hosts_text
-from engine.comm.schemes.ps import (DEFAULT_CHUNK_BYTES, PUSH, SUM, Chunk, PSParam,
-                                    layout_digest, make_layout)
+from engine.comm.hosts import HostEntry
+from engine.comm.schemes.ps import (
+    DEFAULT_CHUNK_BYTES,
+    PUSH,
+    SUM,
+    Chunk,
+    PSParam,
+    layout_digest,
+    make_layout,
+)
 from engine.pb import poseidon_pb2 as pb
+from poseidon_cli.launch.hostfile import free_base_port, parse_hosts_text
 
 SHARD0 = ("shard", 0)
 #: seconds any wait of the benchmark may take before it stops naming what did not come

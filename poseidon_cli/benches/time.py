@@ -56,12 +56,12 @@ net = Net(proto, phase="TRAIN")
 if peer == "poseidon":
     from engine.perf.timing import time_net
     ms = time_net(net, iters).total_ms
-    from engine.perf.bench_time import blas_in_use
+    from poseidon_cli.benches.time import blas_in_use
     print(json.dumps({"ms": ms, "blas": blas_in_use()}))
 else:
     import torch
     torch.set_num_threads(threads)
-    from engine.perf.torch_peer import build
+    from poseidon_cli.benches.torch_peer import build
     step, _ = build(net)
     step()
     t = time.perf_counter()
@@ -74,6 +74,7 @@ else:
 
 _CAFFE_TOTAL = re.compile(r"Average Forward-Backward:\s*([0-9.]+)\s*ms")
 _OPENBLAS_CORE = re.compile(r"Core:\s*(\S+)")
+_GLOG_FATAL = re.compile(r"^F\d{4,8} [^\]]*\] (.*)$", re.MULTILINE)
 
 
 def torch_available() -> bool:
@@ -83,7 +84,7 @@ def torch_available() -> bool:
 def blas_in_use() -> str:
     """The BLAS this process calls, its kernel and threads (threadpoolctl), and the CPU
     kernels in use: what an engine time depends on."""
-    from ..kernels import cpu as compiled
+    from engine.kernels import cpu as compiled
     kernels = (f"compiled kernels: numba {compiled.numba.__version__}" if compiled.available()
                else "kernels: NumPy")
     try:
@@ -99,7 +100,7 @@ def blas_in_use() -> str:
 
 def write_net(name: str, folder: Path) -> Path:
     """The timed net of ``name`` as a prototxt in ``folder`` (Caffe reads it too)."""
-    from ..perf.netinfo import read_train_net, with_inputs
+    from engine.perf.netinfo import read_train_net, with_inputs
     spec = NETS[name]
     param, _ = with_inputs(read_train_net(spec.train_val), spec.batch, input_shape=spec.image,
                            where=spec.train_val.parent)
@@ -123,7 +124,7 @@ def _child(peer: str, proto: Path, iters: int, threads: int) -> tuple[float, str
     return float(out["ms"]), out["blas"]
 
 
-def _caffe(binary: str, proto: Path, iters: int, threads: int) -> tuple[float, str]:
+def caffe_time(binary: str, proto: Path, iters: int, threads: int) -> tuple[float, str]:
     """`caffe time`'s average forward-backward, and the OpenBLAS kernel it says it picked."""
     env = dict(_env(threads), OPENBLAS_VERBOSE="2", GLOG_logtostderr="1")
     done = subprocess.run([binary, "time", "-model", str(proto), "-iterations", str(iters)],
@@ -131,7 +132,10 @@ def _caffe(binary: str, proto: Path, iters: int, threads: int) -> tuple[float, s
     text = done.stdout + done.stderr
     total = _CAFFE_TOTAL.search(text)
     if done.returncode != 0 or total is None:
-        raise RuntimeError(f"caffe time on {proto.name} failed: {text.strip().splitlines()[-1:]}")
+        # glog's fatal line says why (a failed CHECK); a stack trace follows it
+        fatal = _GLOG_FATAL.search(text)
+        said = fatal.group(1).strip() if fatal else text.strip().splitlines()[-1:]
+        raise RuntimeError(f"caffe time on {proto.name} failed: {said}")
     core = _OPENBLAS_CORE.search(text)
     blas = f"OpenBLAS {core.group(1)} kernel" if core else "BLAS not reported"
     return float(total.group(1)), f"{Path(binary).name}: {blas}, {threads} threads"
@@ -150,7 +154,7 @@ def run(nets: list[str], repeats: int, iterations: int | None = None, threads: i
             runs: dict[str, list[float]] = {p: [] for p in peers}
             for _ in range(repeats):
                 for peer in peers:  # alternate
-                    ms, blas[peer] = (_caffe(caffe, proto, iters, threads) if peer == "caffe"
+                    ms, blas[peer] = (caffe_time(caffe, proto, iters, threads) if peer == "caffe"
                                       else _child(peer, proto, iters, threads))
                     runs[peer].append(ms)
             results[name] = _summary(name, runs, iters, threads, say)

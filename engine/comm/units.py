@@ -1,0 +1,121 @@
+"""What the communicator synchronises: a layer's parameters (``ParamSlot``, ``LayerSlot``), the
+*unit* that travels as one operation (one layer, or a fusion bucket of layers released by
+backward one after the other), and a unit's gradients as one flat vector (``gather``, and
+``scatter_mean`` back into the diffs). Below the schemes and the codecs, which both work on
+units.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from engine import backend
+
+
+@dataclass
+class ParamSlot:
+    index: int       # learnable-parameter index
+    name: str        # "layer/i"
+    blob: Any        # has .data and .diff (numpy or cupy)
+    role: str        # "weight" (grad uᵀ·v), "weight_t" (grad vᵀ·u), "bias" (Σ rows of u), "other"
+
+
+@dataclass
+class LayerSlot:
+    """What the communicator knows of one layer with learnable parameters."""
+    layer: int
+    name: str
+    params: list[ParamSlot]
+    #: returns the sufficient factors (u, v) of the last backward; None if the layer has none
+    factors: Callable[[], tuple[Any, Any]] | None = None
+    #: (K, M, N): u is K x N and v is K x M, the shapes peers' factors are checked against
+    factor_shape: tuple[int, int, int] | None = None
+    #: tells the layer that its weight gradient is rebuilt from the factors (skip the GEMM)
+    defer_weight_gradient: Callable[[bool], None] | None = None
+
+    @property
+    def count(self) -> int:
+        return sum(int(p.blob.diff.size) for p in self.params)
+
+
+@dataclass
+class Unit:
+    """One synchronisation operation's layers; ``id`` is its lowest layer index (on the wire)."""
+    layers: list[LayerSlot]
+    scheme: str
+    id: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.id = min(s.layer for s in self.layers)
+
+    @property
+    def name(self) -> str:
+        return "+".join(s.name for s in self.layers)
+
+    @property
+    def params(self) -> list[ParamSlot]:
+        return [p for s in self.layers for p in s.params]
+
+    @property
+    def count(self) -> int:
+        return sum(s.count for s in self.layers)
+
+    @property
+    def priority(self) -> int:
+        """Lower goes first: the next forward needs the lowest layer first."""
+        return self.id
+
+
+def is_view(unit: Unit) -> bool:
+    """Whether the unit's gradients are already one flat NumPy vector (one C-contiguous diff)."""
+    params = unit.params
+    return len(params) == 1 and isinstance(params[0].blob.diff, np.ndarray) \
+        and params[0].blob.diff.flags.c_contiguous
+
+
+def gather(unit: Unit, out: np.ndarray | None = None) -> np.ndarray:
+    """The unit's local gradients as one flat host vector: a view of the diff when the unit
+    is one C-contiguous NumPy parameter, else copied into ``out`` (allocated if None)."""
+    params = unit.params
+    if is_view(unit):
+        return params[0].blob.diff.reshape(-1)
+    if out is None:
+        out = np.empty(unit.count, dtype=np.dtype(params[0].blob.diff.dtype))
+    offset = 0
+    for p in params:
+        n = int(p.blob.diff.size)
+        out[offset:offset + n] = backend.to_numpy(p.blob.diff).reshape(-1)
+        offset += n
+    return out
+
+
+def scatter_mean(unit: Unit, total: np.ndarray, world: int, vec: np.ndarray) -> None:
+    """``total / world`` into the unit's diffs: straight into a contiguous NumPy diff (one pass),
+    else through ``vec`` (the unit's gathered vector, free once the sum is complete)."""
+    offset = 0
+    for p in unit.params:
+        diff = p.blob.diff
+        n = int(diff.size)
+        part = total[offset:offset + n]
+        if isinstance(diff, np.ndarray) and diff.flags.c_contiguous:
+            np.divide(part, world, out=diff.reshape(-1))
+        else:
+            staged = vec[offset:offset + n]
+            np.divide(part, world, out=staged)
+            diff[...] = backend.get_array_module(diff).asarray(staged.reshape(diff.shape),
+                                                               dtype=diff.dtype)
+        offset += n
+
+
+def split(count: int, parts: int) -> list[tuple[int, int]]:
+    """``count`` values cut into ``parts`` contiguous (offset, length) pieces, the first
+    ``count % parts`` one longer; some are empty when count < parts."""
+    base, extra = divmod(count, parts)
+    out, offset = [], 0
+    for i in range(parts):
+        n = base + (1 if i < extra else 0)
+        out.append((offset, n))
+        offset += n
+    return out

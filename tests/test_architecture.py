@@ -1,0 +1,137 @@
+"""The layering the code promises (docs/DESIGN.md), checked from its imports.
+
+Every import statement of engine/ and poseidon_cli/ counts: at module level, inside a function,
+or under ``if TYPE_CHECKING:`` (a deferred import only hides a circle that a module-level one
+would close). No module may reach itself through imports, and nothing in engine/ outside
+engine/perf/ may import engine/perf/ (the performance tools are a floor above the trainer:
+nothing there is needed to train).
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("engine", "poseidon_cli")
+#: a module named in a string, to be loaded by importlib: "poseidon_cli.train_cmd:train"
+LOADED_BY_NAME = re.compile(r"^(engine|poseidon_cli)(\.\w+)+:\w+$")
+
+
+def modules() -> dict[str, Path]:
+    """Dotted name -> file, for every module of the packages (a package is its __init__)."""
+    out = {}
+    for pkg in PACKAGES:
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            parts = list(f.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = f
+    return out
+
+
+def imports_of(name: str, path: Path, known: dict[str, Path],
+               missing: list[str] | None = None) -> set[str]:
+    """The modules of ours that ``name`` imports anywhere in its file; ``missing`` collects the
+    imports of ours that name no module (a move that left an import behind)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def add(target: str) -> None:
+        if target.split(".")[0] in PACKAGES and target not in known and missing is not None:
+            missing.append(f"{name} imports {target}")
+        # a dotted import loads every package on its way: count the deepest module we have
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            found.add(target)
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                LOADED_BY_NAME.match(node.value):  # "module:attr" for importlib (main.py)
+            add(node.value.partition(":")[0])
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            for alias in node.names:  # `from pkg import sub` imports the module pkg.sub
+                if f"{mod}.{alias.name}" in known:
+                    add(f"{mod}.{alias.name}")
+                else:
+                    add(mod)
+    return found
+
+
+def graph(missing: list[str] | None = None) -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports_of(name, path, known, missing) for name, path in known.items()}
+
+
+def circles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(g.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_walk_sees_deferred_and_type_checking_imports():
+    known = modules()
+    assert "engine.comm.syncer" in known and "poseidon_cli.launch.worker" in known
+    g = graph()
+    # a module-level import, one inside a function, one from a package's submodule
+    assert "engine.context" in g["poseidon_cli.train_cmd"]  # inside a function
+    assert "engine.snapshots" in g["engine.solver"]
+    assert "poseidon_cli.train_cmd" in g["poseidon_cli.main"]  # by name, for importlib
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_every_import_of_ours_names_a_module():
+    missing: list[str] = []
+    graph(missing)
+    assert missing == []
+
+
+def test_no_module_reaches_itself_through_imports():
+    assert circles(graph()) == []
+
+
+def test_nothing_below_perf_imports_perf():
+    g = graph()
+    below = {name: sorted(t for t in targets if t == "engine.perf" or t.startswith("engine.perf."))
+             for name, targets in g.items()
+             if name.startswith("engine.") and not name.startswith("engine.perf")}
+    assert {name: t for name, t in below.items() if t} == {}
