@@ -10,7 +10,8 @@ command (install excluded) in DIR/poseidon with that venv first on PATH, inside 
 pseudo-terminal as a user's shell would (line-buffered output, the progress bar drawn), and
 prints every line with its time since the start, the whole wall time, the test accuracy, and
 the longest silent gap: the longest time with no byte of output, with the lines before and
-after it. Running ``run`` twice on one DIR shows the cold run and then the warm one.
+after it. The first ``run`` on a DIR is the cold one; for a warm one, run again with
+``--command`` the training alone (the data step refuses to overwrite its LMDBs).
 
 Run ``run`` alone on the machine (on a shared one, under the exclusive lock): it is a timing.
 """
