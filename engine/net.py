@@ -8,6 +8,8 @@ is how the communicator sends a layer's gradients while the layers below still c
 """
 from __future__ import annotations
 
+import difflib
+import re
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterable, Sequence
@@ -17,7 +19,7 @@ import numpy as np
 from . import backend
 from .blob import Blob, BlobTooLarge, building_shapes_only, check_fits
 from .context import RunContext
-from .layers import Layer, LayerError, create_layer
+from .layers import Layer, LayerError, create_layer, registered_types
 from . import timeline
 from .pb import caffe_pb2
 
@@ -26,6 +28,10 @@ PHASES = {"TRAIN": caffe_pb2.TRAIN, "TEST": caffe_pb2.TEST}
 
 class NetError(ValueError):
     """A net that cannot be built; the message names the net file and the layer."""
+
+
+class UnknownLayerType(NetError):
+    """A layer of a type the engine does not have; the message names the file and line."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -126,13 +132,44 @@ def insert_splits(param: Any) -> Any:
     return out
 
 
+def check_layer_types(param: Any, source: str) -> None:
+    """Every layer's type is one the engine has; else a NetError at the layer's line in
+    ``source`` (when it is a file) with the nearest known type."""
+    known = registered_types()
+    for lp in param.layer:
+        if lp.type in known:
+            continue
+        by_case = {k.lower(): k for k in known}
+        near = difflib.get_close_matches(lp.type.lower(), list(by_case), n=1, cutoff=0.6)
+        hint = f" (did you mean '{by_case[near[0]]}'?)" if near else ""
+        raise UnknownLayerType(f"{source}{_line_of(source, lp)}: layer '{lp.name}': unknown "
+                               f"layer type '{lp.type}'{hint}")
+
+
+def _line_of(source: str, lp: Any) -> str:
+    """":N", the line of ``lp``'s type in the file ``source`` (the nearest to a line naming
+    the layer, for a type written more than once), or "" when ``source`` is no file."""
+    try:
+        lines = Path(source).read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return ""
+    quoted = lambda field, value: re.compile(rf"\b{field}\s*:\s*[\"']{re.escape(value)}[\"']")
+    types = [i for i, line in enumerate(lines) if quoted("type", lp.type).search(line)]
+    names = [i for i, line in enumerate(lines) if quoted("name", lp.name).search(line)]
+    if not types:
+        return ""
+    return f":{min(types, key=lambda t: min((abs(t - n) for n in names), default=0)) + 1}"
+
+
 # ---------------------------------------------------------------------------------------
 class Net:
     """A Caffe net, pycaffe-style: ``blobs``, ``params``, ``forward``, ``backward``."""
 
     def __init__(self, source: str | Path | Any, phase: str = "TRAIN", weights: str | None = None,
                  level: int = 0, stages: Iterable[str] = (), dtype: Any = np.float32,
-                 context: RunContext | None = None):
+                 context: RunContext | None = None, origin: str | None = None):
+        """``source``: a net prototxt or a NetParameter; ``origin``: the file a NetParameter
+        was read from (a solver's net), for errors to name."""
         if phase not in PHASES:
             raise NetError(f"phase must be TRAIN or TEST, not {phase!r}")
         self.phase = phase
@@ -147,7 +184,7 @@ class Net:
                 self.context = RunContext(self.context.rank, self.context.world_size,
                                           [here, *self.context.base_dirs, Path.cwd()])
         else:
-            self.source = f"net '{source.name}'" if source.name else "<NetParameter>"
+            self.source = origin or (f"net '{source.name}'" if source.name else "<NetParameter>")
             param = source
         state = caffe_pb2.NetState()
         state.CopyFrom(param.state)
@@ -156,9 +193,13 @@ class Net:
         del state.stage[:]
         state.stage.extend(list(param.state.stage) + list(stages))
         try:
-            self.param = insert_splits(filter_net(param, state))
+            filtered = filter_net(param, state)
+            check_layer_types(filtered, self.source)
+            self.param = insert_splits(filtered)
             self.name: str = self.param.name
             self._build()
+        except UnknownLayerType:
+            raise
         except (NetError, LayerError) as e:
             raise NetError(f"{self.source}: {e}") from None
         if weights:

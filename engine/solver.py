@@ -27,7 +27,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Collection, Protocol
+from typing import Any, Callable, Collection, Protocol, Sequence
 
 import numpy as np
 
@@ -127,12 +127,14 @@ class Solver:
 
     def __init__(self, solver: str | Path | Any, context: RunContext | None = None,
                  is_root: bool = True, *, update_rule: str | None = None,
-                 paths_from_cwd: bool = False):
+                 paths_from_cwd: bool = False, train_level: int | None = None,
+                 train_stages: Sequence[str] = ()):
         """``solver``: a solver prototxt or a SolverParameter. ``update_rule`` overrides the
         file's type (pycaffe's ``caffe.AdamSolver(file)`` is Adam whatever the file says).
         Relative paths in the solver (nets, snapshot_prefix) resolve beside the solver file
         first, then in the working directory; ``paths_from_cwd`` turns that round, as Caffe's
-        own tools and pycaffe do."""
+        own tools and pycaffe do. ``train_level`` and ``train_stages`` set and extend the
+        solver's train_state (caffe train's -level and -stage)."""
         from . import caffe_io
 
         context = context or RunContext()
@@ -155,6 +157,10 @@ class Solver:
         if update_rule is not None:
             param.ClearField("solver_type")
             param.type = update_rule
+        if train_level is not None:
+            param.train_state.level = train_level
+        if train_stages:  # (extending by nothing would print an empty train_state in the log)
+            param.train_state.stage.extend(train_stages)
         self.context = RunContext(context.rank, context.world_size, base_dirs)
         self.param = param
         self.is_root = is_root
@@ -218,29 +224,42 @@ class Solver:
         check_lr_policy(p)
 
     def _check_snapshot_prefix(self) -> None:
-        """Caffe's CheckSnapshotWritePermissions: fail now, not after hours of training."""
+        """Caffe's CheckSnapshotWritePermissions: fail now, not after hours of training. A
+        missing folder is made (Caffe fails, and a fresh checkout's `snapshot_prefix:
+        "snapshots/lenet"` would cost a user a round trip); the log names it, so a typo in
+        the prefix shows at once."""
         p = self.param
         if not self.is_root or not (p.snapshot or p.snapshot_after_train):
             return
         folder = Path(os.path.dirname(self.snapshot_prefix()) or ".")
+        where = f"solver {self.source}: cannot write snapshots to prefix '{p.snapshot_prefix}'"
+        if not folder.exists():
+            try:
+                folder.mkdir(parents=True)
+            except OSError as e:
+                raise SolverError(f"{where}: cannot make folder {folder}: "
+                                  f"{e.strerror or e}") from None
+            glog.info(f"Made the snapshot folder {folder} (snapshot_prefix "
+                      f"'{p.snapshot_prefix}')")
         if not folder.is_dir() or not os.access(folder, os.W_OK):
-            raise SolverError(f"solver {self.source}: cannot write snapshots to prefix "
-                              f"'{p.snapshot_prefix}': folder {folder} does not exist or is not "
-                              "writable")
+            raise SolverError(f"{where}: {folder} is not a writable folder")
 
     def _resolve(self, path: str) -> Path:
         return self.context.resolve(path)
 
-    def _read_net(self, name: str) -> tuple[Any, list[Path]]:
+    def _read_net(self, name: str) -> tuple[Any, list[Path], str]:
+        """A net file the solver names: its NetParameter, the folders its paths resolve in,
+        and its path."""
         from .caffe_io import read_net_prototxt
 
         path = self._resolve(name)
         if not path.is_file():
             raise SolverError(f"solver {self.source}: net file '{name}' not found (looked in "
                               + ", ".join(str(d) for d in self.context.base_dirs) + ")")
-        return read_net_prototxt(path), [path.parent, *self.context.base_dirs]
+        return read_net_prototxt(path), [path.parent, *self.context.base_dirs], str(path)
 
-    def _make_net(self, param: Any, base_dirs: list[Path], phase: str, extra_state: Any) -> Any:
+    def _make_net(self, param: Any, base_dirs: list[Path], phase: str, extra_state: Any,
+                  origin: str) -> Any:
         from .net import Net as EngineNet
         Net = self.net_class or EngineNet
 
@@ -253,7 +272,7 @@ class Solver:
         state.phase = caffe_pb2.TRAIN if phase == "TRAIN" else caffe_pb2.TEST
         param.state.CopyFrom(state)
         ctx = RunContext(self.context.rank, self.context.world_size, base_dirs)
-        return Net(param, phase=phase, level=state.level, context=ctx)
+        return Net(param, phase=phase, level=state.level, context=ctx, origin=origin)
 
     def _build_train_net(self) -> Any:
         p = self.param
@@ -269,12 +288,12 @@ class Solver:
             glog.info(f"Creating training net specified in {kind}.")
             net_param = caffe_pb2.NetParameter()
             net_param.CopyFrom(getattr(p, kind))
-            base_dirs = list(self.context.base_dirs)
+            base_dirs, origin = list(self.context.base_dirs), self.source
         else:
             glog.info(f"Creating training net from {'net' if kind == 'net' else 'train_net'} "
                       f"file: {getattr(p, kind)}")
-            net_param, base_dirs = self._read_net(getattr(p, kind))
-        return self._make_net(net_param, base_dirs, "TRAIN", p.train_state)
+            net_param, base_dirs, origin = self._read_net(getattr(p, kind))
+        return self._make_net(net_param, base_dirs, "TRAIN", p.train_state, origin)
 
     def _build_test_nets(self) -> list[Any]:
         p = self.param
@@ -290,39 +309,38 @@ class Solver:
                               f"({n_nets} test nets, {len(p.test_state)} test_state)")
         if n_nets and p.test_interval <= 0:
             raise SolverError(f"{where}: test_iter is given, so test_interval must be > 0")
-        specs: list[tuple[str, Any, list[Path]]] = []
+        specs: list[tuple[str, Any, list[Path], str]] = []
         for tp in p.test_net_param:
             net_param = caffe_pb2.NetParameter()
             net_param.CopyFrom(tp)
-            specs.append(("test_net_param", net_param, list(self.context.base_dirs)))
+            specs.append(("test_net_param", net_param, list(self.context.base_dirs), self.source))
         for name in p.test_net:
             specs.append((f"test_net file: {name}", *self._read_net(name)))
         while len(specs) < n_nets:
             if p.HasField("net_param"):
                 net_param = caffe_pb2.NetParameter()
                 net_param.CopyFrom(p.net_param)
-                specs.append(("net_param", net_param, list(self.context.base_dirs)))
+                specs.append(("net_param", net_param, list(self.context.base_dirs), self.source))
             else:
                 specs.append((f"net file: {p.net}", *self._read_net(p.net)))
         nets = []
-        for i, (source, net_param, base_dirs) in enumerate(specs):
+        for i, (source, net_param, base_dirs, origin) in enumerate(specs):
             if not self.is_root:
                 break  # only the root tests; other ranks skip building (and opening) test data
             glog.info(f"Creating test net (#{i}) specified by {source}")
             nets.append(self._make_net(net_param, base_dirs, "TEST",
-                                       p.test_state[i] if len(p.test_state) else None))
+                                       p.test_state[i] if len(p.test_state) else None, origin))
         return nets
 
     def load_weights(self, path: str | Path) -> None:
         """Copy weights by layer name into the train net and every test net (Caffe's -weights)."""
-        from .caffe_io import copy_weights_into
+        from .caffe_io import load_trained_weights
 
         path = Path(path)
         if not path.is_file():
             raise SolverError(f"weights file {path} not found")
         glog.info(f"Finetuning from {path}")
-        for net in [self.net, *self.test_nets]:
-            copy_weights_into(net, path)
+        load_trained_weights([self.net, *self.test_nets], path)
 
     # -- the sync hook --------------------------------------------------------------------
     def attach_sync(self, sync: GradientSync | None, momentum_by_sync: Collection[int] = ()

@@ -13,6 +13,16 @@ from typing import Iterator, NoReturn
 import click
 
 
+#: where each kind of Caffe file goes (engine/caffe_io/kinds.py names the kinds)
+TAKEN_BY = {
+    "net": "a net goes to `poseidon test|time --model`, or into a solver's `net:`",
+    "solver": "a solver goes to `poseidon train --solver`",
+    "caffemodel": "weights go to `--weights`",
+    "solverstate": "resume from it with `poseidon train --snapshot`",
+    "binaryproto": "a mean image goes into a data layer's `transform_param { mean_file }`",
+}
+
+
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
     """Turn the engine's errors about bad input into one line and a non-zero exit.
@@ -24,7 +34,8 @@ def user_errors() -> Iterator[None]:
     except (ValueError, OSError, KeyError, RuntimeError) as e:
         if os.environ.get("POSEIDON_DEBUG"):
             raise
-        fail(str(e) or type(e).__name__)
+        hint = TAKEN_BY.get(getattr(e, "kind", None), "")  # a file of another kind (caffe_io)
+        fail((str(e) or type(e).__name__) + (f": {hint}" if hint else ""))
     except MemoryError as e:  # what the up-front size checks could not foresee
         if os.environ.get("POSEIDON_DEBUG"):
             raise

@@ -19,6 +19,10 @@ from engine.pb import caffe_pb2
 from poseidon_cli.console import fail
 
 TEXT_SUFFIXES = (".prototxt", ".pbtxt", ".txt")
+#: what OUT may be named: a prototxt, or weights in the format caffe_io.format_by_name reads
+#: from the name (anything else would be written as a binary caffemodel under a name that
+#: says otherwise: .pt, .pkl, no suffix)
+OUT_SUFFIXES = (*TEXT_SUFFIXES, ".caffemodel", ".h5", ".hdf5", ".npz")
 
 
 def _is_text(path: str) -> bool:
@@ -37,6 +41,10 @@ def _read_text_proto(path: str) -> caffe_pb2.NetParameter | caffe_pb2.SolverPara
 
 
 def _convert(src: str, dst: str) -> str:
+    if not dst.lower().endswith(OUT_SUFFIXES):
+        raise FormatError(f"{dst}: unknown output format {Path(dst).suffix or '(no suffix)'}: "
+                          "name OUT *.caffemodel, *.caffemodel.h5 (or .h5, .hdf5), *.npz or "
+                          "*.prototxt (or .pbtxt, .txt)")
     if _is_text(src) != _is_text(dst):
         raise FormatError(f"cannot convert between a prototxt and a weights file: {src} -> {dst}")
     if _is_text(src):
@@ -77,6 +85,8 @@ def _info_rows(path: str) -> tuple[list[str], list[list[str]], str]:
             means = ", ".join(f"{m:.4g}" for m in a.mean(axis=(0, 2, 3)))
             rows.append(["channel means", means])
         return ["field", "value"], rows, f"{path}: blob {shape}"
+    if ".solverstate" in Path(path).name.lower():
+        return _solverstate_rows(path)
     if caffe_io.weights_format(path) == "binary":
         weights = caffe_io.net_to_weights(caffe_io.read_net_binary(path), path)
     else:
@@ -87,8 +97,39 @@ def _info_rows(path: str) -> tuple[list[str], list[list[str]], str]:
         total += count
         shapes = ", ".join("x".join(str(d) for d in a.shape) or "scalar" for a in arrays)
         rows.append([name, layer_type or "-", shapes or "-", f"{count:,}"])
+    untyped = " (Caffe's HDF5 stores no layer types)" if all(not t for _, t, _ in weights) \
+        and caffe_io.weights_format(path) == "hdf5" else ""
     return (["layer", "type", "parameter shapes", "count"], rows,
-            f"{path}: {len(weights)} layers, {total:,} parameters")
+            f"{path}: {len(weights)} layers, {total:,} parameters{untyped}")
+
+
+def _solverstate_rows(path: str) -> tuple[list[str], list[list[str]], str]:
+    """A solverstate: its iteration, history, weights file, data positions and recorded plan."""
+    from engine.comm.plan_file import recorded_plan
+
+    state = caffe_io.read_solverstate(path)
+    history = caffe_io.solverstate_history(state)
+    try:
+        weights = f"{state.learned_net} (found: {caffe_io.resolve_learned_net(path, state)})"
+    except FormatError:
+        weights = f"{state.learned_net} (not found beside {path} nor as written)"
+    positions = (", ".join(str(p) for p in state.data_position) + " records read, per data "
+                 "layer" if len(state.data_position) else "not recorded (a Caffe snapshot: a "
+                 "resumed run reads from where Caffe's uninterrupted run would be)")
+    rows = [["iteration", str(state.iter)], ["current_step", str(state.current_step)],
+            ["learned_net", weights],
+            ["history", f"{len(history)} blobs, {sum(int(a.size) for a in history):,} values"],
+            ["data positions", positions]]
+    plan = recorded_plan(path)
+    if plan is None:
+        rows.append(["plan", "none (a single process's or Caffe's snapshot)"])
+    else:
+        machines = f", {plan.world_size // plan.slots} machines of {plan.slots}" \
+            if plan.slots > 1 else ""
+        rows += [["plan workers", f"{plan.world_size}{machines}"],
+                 ["plan comm", f"{plan.comm or 'auto'}, wire {plan.codec or 'fp32'}"],
+                 ["plan units", "; ".join(f"{'+'.join(u.names)} {u.scheme}" for u in plan.units)]]
+    return ["field", "value"], rows, f"{path}: solverstate at iteration {state.iter}"
 
 
 def _print_table(columns: list[str], rows: list[list[str]], summary: str) -> None:

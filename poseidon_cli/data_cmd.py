@@ -4,8 +4,8 @@
     poseidon data fashion-mnist --out DIR [--from DIR]
     poseidon data cifar10 --out DIR [--from DIR]      convert_cifar_data (binary batches)
     poseidon data digits --out DIR                    scikit-learn's 8x8 digits, offline
-    poseidon data images --list L --root DIR --out DB convert_imageset (your own images)
-    poseidon data mean DB --out mean.binaryproto      compute_image_mean (or --db DB)
+    poseidon data images --list L --root DIR --out DB convert_imageset (or ROOT LIST DB)
+    poseidon data mean DB --out mean.binaryproto      compute_image_mean (or DB OUT, --db DB)
 """
 from __future__ import annotations
 
@@ -109,14 +109,29 @@ def digits(out: Path, force: bool) -> None:
     _run(lambda: convert_digits(out, overwrite=force), out)
 
 
+def _positional(given: tuple[Path, ...], names: tuple[str, ...], options: dict[str, Path | None]
+                ) -> tuple[Path | None, ...]:
+    """Caffe's tools take their paths in order (``convert_imageset ROOT LIST DB``); the
+    options name them. Either form, one value per path; the paths in ``names``' order."""
+    if given and len(given) != len(names):
+        fail(f"{len(given)} paths given: in Caffe's order they are {' '.join(names)} (or give "
+             + ", ".join(f"--{o}" for o in options) + ")")
+    if given and any(v is not None for v in options.values()):
+        fail(f"give the paths in Caffe's order ({' '.join(names)}) or as "
+             + ", ".join(f"--{o}" for o in options) + ", not both")
+    return tuple(given) if given else tuple(options.values())
+
+
 @data.command()
-@click.option("--list", "list_file", required=True,
-              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+@click.argument("paths", nargs=-1, metavar="[ROOT LIST DB]", type=click.Path(path_type=Path))
+@click.option("--list", "list_file", type=click.Path(dir_okay=False, path_type=Path),
               help="list file: one '<image path> <integer label>' per line")
-@click.option("--root", type=click.Path(exists=True, file_okay=False, path_type=Path),
+@click.option("--root", type=click.Path(file_okay=False, path_type=Path),
               help="folder the listed paths are relative to (default: as listed)")
-@click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
+@click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path),
               help="LMDB folder to write")
+@click.option("--backend", type=click.Choice(["lmdb", "leveldb"]), default="lmdb",
+              show_default=True, help="the database to write (Poseidon writes LMDB)")
 @click.option("--resize-height", "--resize_height", "resize_height", type=int, default=0,
               show_default=True, help="resize every image to this height (with --resize-width)")
 @click.option("--resize-width", "--resize_width", "resize_width", type=int, default=0,
@@ -135,13 +150,15 @@ def digits(out: Path, force: bool) -> None:
               help="threads reading, decoding, resizing and encoding images (0: this "
                    "machine's usable cores, at most 4)")
 @_FORCE
-def images(list_file: Path, root: Path | None, out: Path, resize_height: int, resize_width: int,
-           gray: bool, shuffle: bool, seed: int, encoded: bool, encode_type: str,
-           check_size: bool, strict: bool, decoders: int, force: bool) -> None:
+def images(paths: tuple[Path, ...], list_file: Path | None, root: Path | None, out: Path | None,
+           backend: str, resize_height: int, resize_width: int, gray: bool, shuffle: bool,
+           seed: int, encoded: bool, encode_type: str, check_size: bool, strict: bool,
+           decoders: int, force: bool) -> None:
     """convert_imageset: the images of a list file -> an LMDB of Datum for a Data layer.
 
-    A bad image (missing, unreadable, not an image, the wrong size with --check-size) is
-    reported by name and skipped; with --strict it stops the conversion and nothing is written.
+    The paths as options, or in Caffe's order: `poseidon data images ROOT LIST DB`. A bad
+    image (missing, unreadable, not an image, the wrong size with --check-size) is reported
+    by name and skipped; with --strict it stops the conversion and nothing is written.
     Interrupted (Ctrl-C), the records so far are kept: the same command continues from there
     (with another list or other options it says what changed; --force starts over).
     """
@@ -150,6 +167,18 @@ def images(list_file: Path, root: Path | None, out: Path, resize_height: int, re
                                       partial_path)
     from poseidon_cli.progress import CountProgress
 
+    root, list_file, out = _positional(paths, ("ROOT", "LIST", "DB"),
+                                       {"root": root, "list": list_file, "out": out})
+    if list_file is None or out is None:
+        fail("which images, and where to? `poseidon data images --list L [--root DIR] --out DB`"
+             " (or Caffe's order: ROOT LIST DB)")
+    if not list_file.is_file():
+        fail(f"list file {list_file} not found")
+    if root is not None and not root.is_dir():
+        fail(f"image folder {root} not found")
+    if backend != "lmdb":
+        fail(f"--backend {backend}: Poseidon writes LMDB only (Caffe's default; a Data layer "
+             "reads it with `backend: LMDB`)")
     opts = ImagesetOptions(resize_height, resize_width, gray, shuffle, seed, encoded,
                            encode_type, check_size, strict)
     start = time.perf_counter()
@@ -186,23 +215,26 @@ def images(list_file: Path, root: Path | None, out: Path, resize_height: int, re
 
 
 @data.command()
-@click.argument("db_arg", metavar="DB", required=False, type=click.Path(path_type=Path))
+@click.argument("paths", nargs=-1, metavar="[DB [OUT]]", type=click.Path(path_type=Path))
 @click.option("--db", type=click.Path(path_type=Path), help="LMDB to average (or give it as DB)")
-@click.option("--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="mean file to write (.binaryproto)")
+@click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path),
+              help="mean file to write (.binaryproto; or give it as OUT)")
 @click.option("--backend", type=click.Choice(["lmdb", "leveldb"]), default="lmdb",
               show_default=True)
-def mean(db_arg: Path | None, db: Path | None, out: Path, backend: str) -> None:
-    """compute_image_mean: the mean image of a database, as a BlobProto."""
+def mean(paths: tuple[Path, ...], db: Path | None, out: Path | None, backend: str) -> None:
+    """compute_image_mean: the mean image of a database, as a BlobProto.
+
+    The paths as options, or in Caffe's order: `poseidon data mean DB OUT`."""
     from engine.data.converters import compute_image_mean
     from engine.data.datum import DataError
     from engine.data.transformer import write_mean_file
-    if db_arg is None and db is None:
-        fail("which database? `poseidon data mean DB --out FILE` (or --db DB)")
-    if db_arg is not None and db is not None and db_arg != db:
-        fail(f"two databases given ({db_arg} and --db {db}): give one")
-    db = db_arg or db
     from poseidon_cli.progress import CountProgress
+    if len(paths) == 1 and db is None:  # `mean DB --out FILE`
+        db = paths[0]
+    else:
+        db, out = _positional(paths, ("DB", "OUT"), {"db": db, "out": out})
+    if db is None or out is None:
+        fail("which database, and where to? `poseidon data mean DB OUT` (or --db DB --out FILE)")
     try:
         with CountProgress("mean") as progress:
             image, n = compute_image_mean(db, backend.upper(), on_record=progress.update)

@@ -19,6 +19,7 @@ COMMANDS = {
     "simulate": "poseidon_cli.simulate_cmd:simulate",
     "bench": "poseidon_cli.bench_cmd:bench",
     "keygen": "poseidon_cli.keygen_cmd:keygen",
+    "warmup": "poseidon_cli.warmup_cmd:warmup",
 }
 
 

@@ -31,8 +31,10 @@ def test(model: str, weights: str, iterations: int, gpu: int | None, level: int,
     with user_errors():
         if gpu is not None:
             backend.use_gpu(gpu)
+        from engine.caffe_io import load_trained_weights
         from engine.net import Net
-        net = Net(model, phase="TEST", weights=weights, level=level, stages=stage)
+        net = Net(model, phase="TEST", level=level, stages=stage)
+        load_trained_weights([net], weights)
         glog.info(f"Running for {iterations} iterations.")
         result = run_test_passes(
             net, iterations, on_batch=lambda i, name, v: glog.info(f"Batch {i}, {name} = {glog.fmt(v)}"))

@@ -8,26 +8,32 @@ from typing import Any
 import click
 
 from .console import fail, user_errors
+
 # SIGNAL_ACTIONS: Caffe's -sigint_effect / -sighup_effect values
 from .launch.config import SIGNAL_ACTIONS, JobConfig, cli_options
 from .launch.elastic.start import elastic_options, take_options
+from .warmup_cmd import echo as warmup_echo
+from .warmup_cmd import warm_kernels
 
 
-def parse_gpus(text: str) -> list[int]:
-    """``--gpu``: 'N', 'N,M,...' or 'all' (every GPU CuPy sees) as device ids."""
+def parse_gpus(text: str, flag: str = "--gpu") -> list[int]:
+    """``flag`` (--gpu or --gpus): 'N', 'N,M,...' or 'all' (every GPU CuPy sees) as device
+    ids; errors name the flag the user gave."""
     from engine import backend
 
     if text.strip().lower() == "all":
         if not backend.cupy_available():
-            raise ValueError("--gpu all: CuPy sees no GPU here")
+            raise ValueError(f"{flag} all: CuPy sees no GPU here (train on the CPU: leave out "
+                             f"{flag}; -n N runs N workers)")
         import cupy
         return list(range(cupy.cuda.runtime.getDeviceCount()))
     try:
         ids = [int(t) for t in text.split(",")]
     except ValueError:
-        raise ValueError(f"--gpu {text!r}: expected a device id, a list such as 0,1, or all") from None
+        raise ValueError(f"{flag} {text!r}: expected a device id, a list such as 0,1, or "
+                         "all") from None
     if any(i < 0 for i in ids):
-        raise ValueError(f"--gpu {text!r}: device ids are 0 or more")
+        raise ValueError(f"{flag} {text!r}: device ids are 0 or more")
     return ids
 
 
@@ -119,7 +125,8 @@ def train(solver: str, weights: str | None, gpu: str | None, pin: str | None, ho
     if gpu is not None and pin is not None:
         fail("--gpu deals GPUs out round robin, --gpus pins one worker to each: give one")
     with user_errors():
-        gpus = parse_gpus(pin or gpu) if (pin or gpu) is not None else solver_gpu(solver)
+        gpus = parse_gpus(pin, "--gpus") if pin is not None else \
+            parse_gpus(gpu) if gpu is not None else solver_gpu(solver)
     if sparse is None and (sparse_warmup is not None or momentum_correction is not None):
         fail("--sparse-warmup and --momentum-correction set up --sparse: give --sparse RATIO")
     if nproc is not None and (hosts is not None or rank is not None):
@@ -159,6 +166,9 @@ def train(solver: str, weights: str | None, gpu: str | None, pin: str | None, ho
                            weights=tuple(weight_files),
                            gpus=tuple(gpus) if gpus is not None else None,
                            pin_gpus=pinned is not None, signal_effects=effects, **options)
+        if gpus is None and config.replay is None and rank is None and managed is None:
+            # compiled here, once, not by each local worker in its first iterations
+            warm_kernels(["float32"], warmup_echo, force=False)
         if elastic is not None:
             from .launch.elastic.start import start
             start(config, elastic, hosts, host_list, nproc, launch)

@@ -21,12 +21,15 @@ Attach = Callable[[Any], ContextManager[Any]]
 
 def build_solver(config: JobConfig, context: RunContext) -> Any:
     """The Solver of ``config``: Caffe's, or one replaying traced layer times (--replay)."""
+    # caffe train's -level and -stage: the solver's train_state, as Caffe's tool sets it
+    state = dict(train_level=config.level,
+                 train_stages=[s for given in config.stage for s in given.split(",") if s])
     if config.replay is not None:
         from engine.perf.replay import make_solver
         return make_solver(config.solver, config.replay, config.time_scale, context=context,
-                           is_root=context.rank == 0)
+                           is_root=context.rank == 0, **state)
     from engine.solver import Solver
-    return Solver(config.solver, context=context, is_root=context.rank == 0)
+    return Solver(config.solver, context=context, is_root=context.rank == 0, **state)
 
 
 def train_process(config: JobConfig, context: RunContext, gpu: int | None,
@@ -49,6 +52,8 @@ def train_process(config: JobConfig, context: RunContext, gpu: int | None,
     try:
         for w in config.weights:
             solver.load_weights(w)
+        if config.snapshot is not None and root:
+            say_if_the_batch_changes(config.snapshot, solver, context.world_size)
         if config.timeline is not None:
             name = f"worker {context.rank}" if attach else "train"
             timeline.start(config.timeline, name, f"worker{context.rank}" if attach else "rank0")
@@ -62,3 +67,27 @@ def train_process(config: JobConfig, context: RunContext, gpu: int | None,
             timeline.current.save_part()
             if root:
                 timeline.merge(config.timeline, expected=timeline_parts)
+
+
+def say_if_the_batch_changes(snapshot: str, solver: Any, world: int) -> None:
+    """One warning when ``snapshot`` was written by another number of workers than this run
+    has (its recorded plan says how many; none recorded: one): each iteration then trains on
+    another global batch than the run being resumed did, silently otherwise."""
+    from engine import glog
+    from engine.caffe_io import FormatError
+    from engine.comm.plan_file import recorded_plan
+
+    try:
+        plan = recorded_plan(snapshot)
+    except FormatError:
+        return  # the restore names what is wrong with the file
+    written_by = plan.world_size if plan is not None and plan.world_size else 1
+    if written_by == world:
+        return
+    now = solver.images_per_iter()  # 0 for a net fed by Input layers, not a database
+    change = (f"an iteration now trains on {now} images, not {now // world * written_by}"
+              if now else f"the global batch is now {world}/{written_by} of what it was")
+    workers = f"{written_by} worker{'s' * (written_by > 1)}"
+    glog.warning(f"{snapshot} was written by {workers} and this run has {world}: {change} (the "
+                 f"learning rate schedule counts iterations; resume on {workers} to keep the "
+                 "batch)")

@@ -23,3 +23,13 @@ def shared() -> Path:
     if not SHARED.is_dir():
         pytest.skip(f"needs the shared fixtures at {SHARED}")
     return SHARED
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compiled_kernels() -> None:
+    """The CPU kernels compiled once, up front, as `poseidon train` does on a machine's first
+    run: no test's output or liveness bound then includes Numba compiling them (only the
+    first session on a machine compiles; later ones find the stamp and return at once)."""
+    from poseidon_cli.warmup_cmd import warm_kernels
+
+    warm_kernels(["float32"], lambda message: None, force=False)

@@ -351,8 +351,11 @@ def test_empty_and_text_files_are_not_caffemodels(tmp_path: Path) -> None:
     with pytest.raises(FormatError, match="no layers"):
         io.read_weights(tmp_path / "e.caffemodel")
     (tmp_path / "p.caffemodel").write_text('name: "LeNet"\nlayer { name: "a" }\n')
-    with pytest.raises(FormatError, match="not a valid caffemodel"):
+    with pytest.raises(FormatError, match="p.caffemodel is a net prototxt, not a caffemodel"):
         io.read_weights(tmp_path / "p.caffemodel")
+    (tmp_path / "t.caffemodel").write_text('just some text\n')
+    with pytest.raises(FormatError, match="not a valid caffemodel"):
+        io.read_weights(tmp_path / "t.caffemodel")
 
 
 def test_truncated_hdf5_and_npz_are_format_errors(tmp_path: Path) -> None:

@@ -223,3 +223,22 @@ def test_the_torch_peer_runs_the_gpu_nets_layer_types(tmp_path, name):
     ours = net.forward_prefilled()
     assert theirs == pytest.approx(ours, rel=1e-4)
     assert all(p.grad is not None for p in params)
+
+
+def test_bench_train_without_scikit_learn_is_one_line(tmp_path):
+    """scikit-learn hidden (a package of that name that fails to import): the digits it trains
+    on are not there, which is one error line, not a traceback."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    (tmp_path / "sklearn").mkdir()
+    (tmp_path / "sklearn" / "__init__.py").write_text("raise ImportError('hidden for a test')\n")
+    done = subprocess.run([sys.executable, "-m", "poseidon_cli.main", "bench", "train",
+                           "--iters", "6", "--workers", "1", "--net", "conv"], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "poseidon: error: the digits data set comes with scikit-learn (pip install scikit-learn)"]

@@ -75,3 +75,26 @@ def test_time_needs_positive_iterations(tmp_path):
     one_line_error(run("time", "--model", str(net), "--iterations", "0"), "--iterations")
     ok = run("time", "--model", str(net), "--iterations", "2", "--json")
     assert ok.returncode == 0 and '"forward_backward_ms"' in ok.stdout
+
+
+def test_an_unknown_layer_type_is_named_at_its_line_with_the_nearest_type(tmp_path):
+    net = tmp_path / "net.prototxt"
+    net.write_text(GOOD.replace('type: "InnerProduct"', 'type: "InnerProdcut"'))
+    one_line_error(run("time", "--model", str(net), "--iterations", "1"),
+                   f"{net}:3: layer 'ip': unknown layer type 'InnerProdcut' (did you mean "
+                   "'InnerProduct'?)")
+    # a solver's net, and a type written twice: the line of the layer that has it
+    text = GOOD.replace('layer { name: "loss"', 'layer { name: "act" type: "relu" bottom: "z" '
+                        'top: "z" }\nlayer { name: "loss"')
+    net.write_text(text.replace('"SoftmaxWithLoss"', '"SoftmaxWithLoss" }\n# type: "relu"\n#'))
+    solver = tmp_path / "solver.prototxt"
+    solver.write_text('net: "net.prototxt" base_lr: 0.1 lr_policy: "fixed" max_iter: 1')
+    done = run("train", "--solver", str(solver))
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"poseidon: error: {net}:4: layer 'act': unknown layer type 'relu' (did you mean "
+        "'ReLU'?)")
+    net.write_text(GOOD.replace('type: "InnerProduct"', 'type: "Quux"'))
+    one_line_error(run("time", "--model", str(net), "--iterations", "1"),
+                   "layer 'ip': unknown layer type 'Quux'")
+    assert "did you mean" not in run("time", "--model", str(net)).stderr

@@ -60,6 +60,8 @@ def test_gpu_0_with_hosts_reaches_every_local_worker(tmp_path, monkeypatch):
         got = [cmd[cmd.index("--gpu") + 1] for cmd in FakeWorker.commands]
         ranks = [cmd[cmd.index("--rank") + 1] for cmd in FakeWorker.commands]
         assert (ranks, got) == (["0", "1", "2"], want)
+        # the job's configuration goes on standard input, not where `ps` shows it
+        assert not any("s.prototxt" in arg for cmd in FakeWorker.commands for arg in cmd)
 
 
 def test_several_gpus_without_hosts_is_one_clear_error(tmp_path):

@@ -9,10 +9,11 @@ import pytest
 
 from engine.comm.bind import describe_net
 from engine.comm.errors import CommError
+from engine.comm.hosts import table_from_json
 from engine.comm.planner import plan_layers
 from poseidon_cli.launch.config import JobConfig
 from poseidon_cli.launch.hostfile import parse_hosts_text
-from poseidon_cli.launch.launcher import run, ssh_command, supervise, worker_command
+from poseidon_cli.launch.launcher import run, ssh_command, supervise, worker_command, worker_input
 from poseidon_cli.launch.managers import rank_from_env
 from poseidon_cli.launch.tables import resolve
 
@@ -32,10 +33,14 @@ def test_a_worker_gets_the_jobs_configuration_as_typed_json():
     config = JobConfig("s.prototxt", "h.txt", comm="sfb", weights=("a.caffemodel", "b.caffemodel"),
                        gpus=(0, 1), stats="stats.json", signal_effects={"SIGINT": "snapshot"},
                        log_dir="logs")
-    cmd = worker_command(config, 2, 1)
-    assert cmd[1:7] == ["-m", "poseidon_cli.launch.worker", "--rank", "2", "--gpu", "1"]
-    assert cmd[7] == "--config" and JobConfig.from_json(cmd[8]) == config
-    assert "--gpu" not in worker_command(config, 0, None)
+    cmd = worker_command(2, 1)
+    assert cmd[1:] == ["-m", "poseidon_cli.launch.worker", "--rank", "2", "--gpu", "1"]
+    assert "--gpu" not in worker_command(0, None)
+    entries = parse_hosts_text("127.0.0.1:7000\n127.0.0.1:7002\n")
+    config_line, table_line = worker_input(config, entries).decode().splitlines()
+    assert JobConfig.from_json(config_line) == config  # on standard input, where ps sees nothing
+    assert table_from_json(table_line, "stdin") == entries
+    assert worker_input(config, None).decode().splitlines() == [config_line]
     [entry] = parse_hosts_text("10.1.2.3:7000")
     ssh = ssh_command(entry, ["python", "-m", "x", "--solver", "my solver.prototxt"])
     assert ssh[:5] == ["ssh", "-o", "BatchMode=yes", "-o", "ServerAliveInterval=5"]

@@ -139,3 +139,61 @@ def test_cli_entry_point_exit_code() -> None:
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode != 0
     assert done.stderr.strip().count("\n") == 0 and "poseidon: error:" in done.stderr
+
+
+def test_an_unknown_output_suffix_is_refused(tmp_path: Path) -> None:
+    for name in ("weights.pt", "weights"):
+        line = one_error_line(run(lenet(), tmp_path / name))
+        assert f"{tmp_path / name}: unknown output format" in line
+        assert "*.caffemodel, *.caffemodel.h5" in line and "*.npz" in line
+        assert not (tmp_path / name).exists()
+
+
+def info_rows(path: Path) -> list[list[str]]:
+    r = run("--info", path)
+    assert r.exit_code == 0, r.output
+    return [l.split() for l in r.output.splitlines()[2:]]
+
+
+def test_info_on_h5_keeps_net_order_and_types(tmp_path: Path) -> None:
+    caffes = shared_path("fixtures", "oracle", "train", "h5", "lenet_iter_100.caffemodel.h5")
+    r = run("--info", caffes)
+    assert r.output.splitlines()[0].endswith("(Caffe's HDF5 stores no layer types)")
+    order = ["mnist", "conv1", "pool1", "conv2", "pool2", "ip1", "relu1", "ip2", "loss"]
+    assert [row[0] for row in info_rows(caffes)] == order  # as Caffe wrote them, not a-z
+    # written by Poseidon: the order and the types
+    assert run(lenet(), tmp_path / "l.caffemodel.h5").exit_code == 0
+    assert [row[:2] for row in info_rows(tmp_path / "l.caffemodel.h5")] == \
+        [row[:2] for row in info_rows(lenet())]
+    assert [row[1] for row in info_rows(tmp_path / "l.caffemodel.h5")][:2] == ["Data",
+                                                                               "Convolution"]
+
+
+def test_info_on_a_solverstate(tmp_path: Path) -> None:
+    from engine.pb import poseidon_pb2
+
+    caffes = shared_path("fixtures", "oracle", "train", "lenet_iter_100.solverstate")
+    r = run("--info", caffes)
+    assert r.exit_code == 0, r.output
+    fields = {l[:16].strip(): l[16:] for l in r.output.splitlines()[2:]}
+    assert r.output.splitlines()[0].endswith("lenet_iter_100.solverstate: solverstate at "
+                                             "iteration 100")
+    assert fields["iteration"] == "100" and fields["history"] == "8 blobs, 431,080 values"
+    assert fields["learned_net"].startswith("lenet_iter_100.caffemodel (found: ")
+    assert fields["data positions"].startswith("not recorded (a Caffe snapshot")
+    assert fields["plan"].startswith("none")
+    # a distributed run's: the records read and the plan the workers followed
+    state = io.read_solverstate(caffes)
+    state.data_position.extend([12800])
+    plan = poseidon_pb2.Plan(world_size=4, slots=2, comm="auto", codec="fp16", units=[
+        poseidon_pb2.UnitPlan(layers=[7, 5], scheme="sfb", names=["ip2", "ip1"]),
+        poseidon_pb2.UnitPlan(layers=[3, 1], scheme="ring", names=["conv2", "conv1"])])
+    state.sync_state = plan.SerializeToString()
+    io.write_solverstate(tmp_path / "run_iter_100.solverstate.h5", state)
+    r = run("--info", tmp_path / "run_iter_100.solverstate.h5")
+    assert r.exit_code == 0, r.output
+    fields = {l[:16].strip(): l[16:] for l in r.output.splitlines()[2:]}
+    assert fields["data positions"] == "12800 records read, per data layer"
+    assert fields["plan workers"] == "4, 2 machines of 2"
+    assert fields["plan comm"] == "auto, wire fp16"
+    assert fields["plan units"] == "ip2+ip1 sfb; conv2+conv1 ring"

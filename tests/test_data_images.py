@@ -179,6 +179,48 @@ def test_a_malformed_list_is_named_by_line(tmp_path):
     assert not (tmp_path / "db").exists()
 
 
+def test_caffes_positional_forms_and_flags(digits_folder, tmp_path):
+    """`convert_imageset -gray ROOT/ LIST DB` and `compute_image_mean DB OUT`, as Caffe users
+    type them, write what the option forms write."""
+    from poseidon_cli.main import cli
+
+    def poseidon(*args: object) -> tuple[int, str]:
+        r = CliRunner().invoke(cli, [str(a) for a in args])
+        return r.exit_code, r.output
+
+    root, images, _ = digits_folder
+    code, out = poseidon("data", "images", "-gray", "-backend", "lmdb", f"{root / 'png'}/",
+                         root / "list.txt", tmp_path / "caffe_db")
+    assert code == 0, out
+    poseidon_data("images", "--list", root / "list.txt", "--root", root / "png", "--out",
+                  tmp_path / "db", "--gray")
+    assert records(tmp_path / "caffe_db") == records(tmp_path / "db")
+    code, out = poseidon("data", "mean", tmp_path / "caffe_db", tmp_path / "mean.binaryproto")
+    assert code == 0, out
+    np.testing.assert_allclose(read_mean_file(tmp_path / "mean.binaryproto")[0],
+                               images.astype(np.float64).mean(axis=0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["images", "ROOT", "LIST"], "2 paths given: in Caffe's order they are ROOT LIST DB"),
+    (["images", "R", "L", "D", "--out", "x"], "in Caffe's order (ROOT LIST DB) or as --root, "
+                                              "--list, --out, not both"),
+    (["images", "--out", "x"], "which images, and where to?"),
+    (["images", "--list", "missing.txt", "--out", "x"], "list file missing.txt not found"),
+    (["images", "--list", "{list}", "--out", "x", "--backend", "leveldb"],
+     "--backend leveldb: Poseidon writes LMDB only"),
+    (["mean", "DB"], "which database, and where to?"),
+    (["mean", "DB", "OUT", "--out", "o"], "in Caffe's order (DB OUT) or as --db, --out, not both"),
+])
+def test_data_paths_given_wrong_are_one_line(digits_folder, tmp_path, args, needle):
+    root = digits_folder[0]
+    code, out = poseidon_data(*[a.format(list=root / "list.txt") for a in args])
+    assert code != 0
+    lines = [l for l in out.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("poseidon: error: ") and needle in lines[0], out
+    assert not (tmp_path / "x").exists() and not Path("x").exists()
+
+
 def make_pngs(folder: Path, n: int) -> Path:
     """``n`` distinct 6x7 colour PNGs and their list file."""
     folder.mkdir()

@@ -471,8 +471,12 @@ def test_real_sigint_snapshots_and_stops(tiny):
 
 
 def test_unwritable_snapshot_prefix_fails_at_start(tiny):
-    with pytest.raises(SolverError, match="cannot write snapshots"):
-        Solver(write_solver(tiny, snapshot_prefix="no/such/folder/x"))
+    (tiny / "blocked").write_text("a file where the snapshot folder would be")
+    with pytest.raises(SolverError, match="cannot write snapshots.*blocked is not a writable"):
+        Solver(write_solver(tiny, snapshot_prefix="blocked/x"))
+    # a folder that is not there is made (Caffe fails; the log names the folder)
+    Solver(write_solver(tiny, snapshot_prefix="no/such/folder/x")).close()
+    assert (tiny / "no" / "such" / "folder").is_dir()
 
 
 def test_caffe_hdf5_and_binary_states_restore_alike():

@@ -38,7 +38,7 @@ from .files import (
     format_by_name,
     weights_format,
 )
-from .netio import copy_weights_into, net_to_proto, save_net, save_weights
+from .netio import copy_weights_into, load_trained_weights, net_to_proto, save_net, save_weights
 from .solverstate import (
     read_solverstate,
     resolve_learned_net,
@@ -77,7 +77,8 @@ from .weights import (
 __all__ = [
     "HDF5_MAGIC", "V0_TYPE_NAMES", "V1", "V1_TYPE_NAMES", "ZIP_MAGIC", "FormatError",
     "LayerWeights", "PathLike", "array_to_blob", "atomic_path", "atomic_write_bytes",
-    "blob_shape", "blob_to_array", "copy_weights_into", "format_by_name", "net_needs_upgrade",
+    "blob_shape", "blob_to_array", "copy_weights_into", "format_by_name",
+    "load_trained_weights", "net_needs_upgrade",
     "net_to_proto", "net_to_weights", "parse_net_text", "parse_solver_text", "read_blobproto",
     "read_net_binary", "read_net_hdf5", "read_net_prototxt", "read_npz",
     "read_solver_prototxt", "read_solverstate", "read_weights", "resolve_learned_net",

@@ -31,30 +31,19 @@ def _fmt_shape(shape: Sequence[int]) -> str:
     return "(" + ", ".join(str(int(d)) for d in shape) + ")"
 
 
-def copy_weights_into(net: Any, source: PathLike | LayerWeights | caffe_pb2.NetParameter
-                      ) -> list[str]:
+def copy_weights_into(net: Any, source: PathLike | LayerWeights | caffe_pb2.NetParameter,
+                      where: str | None = None) -> list[str]:
     """Copy parameters into `net` by layer name (Caffe's CopyTrainedLayersFrom).
 
     `source` is a weights file, a NetParameter, or a LayerWeights list. Source layers the net
     lacks are ignored (logged); for the others the blob count and every shape must match,
     except that a legacy 4-D blob matches any shape Caffe's ShapeEquals accepts. Returns the
-    names of the layers copied.
+    names of the layers copied. ``where`` names the source in errors (default: its path).
     """
     from ..backend import get_array_module
 
-    where = str(source) if isinstance(source, (str, os.PathLike)) else "weights"
-    if isinstance(source, (str, os.PathLike)):
-        if weights_format(source) == "binary":
-            source = read_net_binary(source)
-        else:
-            source = read_weights(source)
-    if isinstance(source, caffe_pb2.NetParameter):
-        if len(source.layers):
-            source = caffe_pb2.NetParameter.FromString(source.SerializeToString())
-            upgrade_net(source, where)
-        items = [(l.name, list(l.blobs)) for l in source.layer]
-    else:
-        items = [(name, list(arrays)) for name, _, arrays in source]
+    where = where or (str(source) if isinstance(source, (str, os.PathLike)) else "weights")
+    items = [(name, blobs) for name, _, blobs in _layers_of(source, where)]
 
     # The first layer of a name wins, as in Caffe's lookup.
     targets: dict[str, Any] = {}
@@ -91,6 +80,50 @@ def copy_weights_into(net: Any, source: PathLike | LayerWeights | caffe_pb2.NetP
     # Said only once the copy succeeded, so that a bad file's error stays the one line printed.
     for name in ignored:
         log.info("Ignoring source layer %s", name)
+    return copied
+
+
+def _layers_of(source: PathLike | LayerWeights | caffe_pb2.NetParameter, where: str
+               ) -> list[tuple[str, str, list[Any]]]:
+    """(name, type, blobs) of every layer of a weights file, NetParameter or LayerWeights: the
+    blobs as BlobProtos (of a caffemodel, whose legacy shapes copy by Caffe's rule) or arrays."""
+    if isinstance(source, (str, os.PathLike)):
+        source = read_net_binary(source) if weights_format(source) == "binary" else \
+            read_weights(source)
+    if isinstance(source, caffe_pb2.NetParameter):
+        if len(source.layers):
+            source = caffe_pb2.NetParameter.FromString(source.SerializeToString())
+            upgrade_net(source, where)
+        return [(l.name, l.type, list(l.blobs)) for l in source.layer]
+    return [(name, layer_type, list(arrays)) for name, layer_type, arrays in source]
+
+
+def load_trained_weights(nets: Sequence[Any], path: PathLike) -> list[str]:
+    """Caffe's -weights: copy ``path``'s layers into each of ``nets`` by name (the first is the
+    one they are checked against: a solver's train net). A file that has none of its layers
+    with weights is an error naming the first layer with weights of each (the weights of
+    another net would otherwise leave every layer as its filler made it, silently); a file
+    that misses some is one warning naming them. Returns the layers copied."""
+    layers = _layers_of(path, str(path))
+    net = nets[0]
+    learnable = list(dict.fromkeys(name for name, layer in zip(net.layer_names, net.layers)
+                                   if layer.blobs))
+    in_file = {name for name, _, blobs in layers if blobs}
+    missing = [name for name in learnable if name not in in_file]
+    if learnable and len(missing) == len(learnable):  # before anything is copied or logged
+        theirs = next(((n, t) for n, t, blobs in layers if blobs), None)
+        mine = next(layer for layer in net.layers if layer.blobs)
+        first = f"'{theirs[0]}' ({theirs[1] or 'type not stored'})" if theirs else "none"
+        raise FormatError(f"{path}: no layer with weights in common with net '{net.name}': the "
+                          f"file's first layer with weights is {first}, the net's is "
+                          f"'{mine.name}' ({mine.param.type}); the weights of another net?")
+    copied = copy_weights_into(net, layers, str(path))
+    if missing:
+        log.warning("%s: copied %d of the %d layers with weights of net '%s'; not in the file, "
+                    "so left as their fillers made them: %s", path, len(learnable) - len(missing),
+                    len(learnable), net.name, ", ".join(missing))
+    for other in nets[1:]:
+        copy_weights_into(other, layers, str(path))
     return copied
 
 

@@ -21,6 +21,7 @@ from .files import (
     read_bytes,
     weights_format,
 )
+from .kinds import check_kind
 
 
 def read_solverstate(path: PathLike) -> caffe_pb2.SolverState:
@@ -28,6 +29,8 @@ def read_solverstate(path: PathLike) -> caffe_pb2.SolverState:
     if weights_format(path) == "hdf5":
         state = caffe_pb2.SolverState()
         with open_h5(path, "solverstate.h5") as f:
+            if "iter" not in f:
+                check_kind(path, "solverstate")  # a caffemodel.h5 given as a snapshot
             state.iter = int(np.asarray(f["iter"][()]).ravel()[0])
             state.current_step = int(np.asarray(f["current_step"][()]).ravel()[0])
             if "learned_net" in f:
@@ -42,7 +45,13 @@ def read_solverstate(path: PathLike) -> caffe_pb2.SolverState:
                 state.sync_state = bytes(np.asarray(f["sync_state"][()]).tobytes())
         return state
     state = caffe_pb2.SolverState()
-    parse_binary(read_bytes(path), state, path, "solverstate")
+    try:
+        parse_binary(read_bytes(path), state, path, "solverstate")
+    except FormatError:
+        check_kind(path, "solverstate")
+        raise
+    if not state.learned_net and not len(state.history):
+        check_kind(path, "solverstate")  # a caffemodel parses as an empty state
     for j, blob in enumerate(state.history):
         blob_to_array(blob, where=f"{path}: history blob {j}")  # validates counts
     return state

@@ -13,6 +13,7 @@ from google.protobuf import text_format
 
 from ..pb import caffe_pb2
 from .files import FormatError, PathLike, atomic_write_bytes, read_bytes
+from .kinds import check_kind
 from .upgrade import upgrade_net, upgrade_solver
 
 _LOCATION_PREFIX = re.compile(r"^\d+:\d+\s*:\s*")
@@ -60,7 +61,11 @@ def parse_net_text(text: str, filename: str = "<string>", upgrade: bool = True
 
 
 def read_net_prototxt(path: PathLike, upgrade: bool = True) -> caffe_pb2.NetParameter:
-    return parse_net_text(_read_text(path), str(path), upgrade)
+    try:
+        return parse_net_text(_read_text(path), str(path), upgrade)
+    except FormatError:
+        check_kind(path, "net")  # a solver given as a net says so, not "no field 'base_lr'"
+        raise
 
 
 def parse_solver_text(text: str, filename: str = "<string>", upgrade: bool = True
@@ -73,7 +78,11 @@ def parse_solver_text(text: str, filename: str = "<string>", upgrade: bool = Tru
 
 
 def read_solver_prototxt(path: PathLike, upgrade: bool = True) -> caffe_pb2.SolverParameter:
-    return parse_solver_text(_read_text(path), str(path), upgrade)
+    try:
+        return parse_solver_text(_read_text(path), str(path), upgrade)
+    except FormatError:
+        check_kind(path, "solver")
+        raise
 
 
 def write_prototxt(path: PathLike, msg: pb_message.Message) -> None:

@@ -26,6 +26,7 @@ from .files import (
     read_bytes,
     weights_format,
 )
+from .kinds import check_kind
 from .upgrade import V1, V1_TYPE_NAMES, upgrade_net
 
 LayerWeights = list[tuple[str, str, list[np.ndarray]]]
@@ -39,10 +40,14 @@ def read_net_binary(path: PathLike, upgrade: bool = True) -> caffe_pb2.NetParame
     """A binary NetParameter (.caffemodel), upgraded like a prototxt unless `upgrade=False`."""
     net = caffe_pb2.NetParameter()
     data = read_bytes(path)
-    parse_binary(data, net, path, "caffemodel")
-    if len(net.layer) == 0 and len(net.layers) == 0:
-        raise FormatError(f"{path}: not a valid caffemodel (truncated or corrupt): "
-                          f"no layers in {len(data)} bytes")
+    try:
+        parse_binary(data, net, path, "caffemodel")
+        if len(net.layer) == 0 and len(net.layers) == 0:
+            raise FormatError(f"{path}: not a valid caffemodel (truncated or corrupt): "
+                              f"no layers in {len(data)} bytes")
+    except FormatError:
+        check_kind(path, "caffemodel")  # a solverstate or a prototxt given as weights
+        raise
     net_to_weights(net, path)  # every blob's value count must match its shape
     if upgrade:
         upgrade_net(net, str(path))
@@ -91,25 +96,34 @@ def _h5_layer_arrays(group: Any, where: str) -> list[np.ndarray]:
 
 
 def _h5_layers(group: Any, prefix: str, path: PathLike) -> LayerWeights:
-    """Layer groups under `group`. A '/' in a layer name (GoogLeNet's "inception_3a/1x1") nests
-    groups in HDF5, so a group holding only groups is a path step, not a layer."""
+    """Layer groups under `group`, in the net's order, with the type Poseidon records (Caffe
+    records none: ""). A '/' in a layer name (GoogLeNet's "inception_3a/1x1") nests groups in
+    HDF5, so a group holding only groups is a path step, not a layer.
+
+    HDF5 lists a group's members by name; the net's order is the order the writer (Caffe's or
+    ours, one layer after the other into a new file) created them, which is the order of
+    their object headers in the file."""
     h5py = import_h5py()
     out: LayerWeights = []
-    for name, item in group.items():
-        if not isinstance(item, h5py.Group):
-            continue
+    members = [(name, item) for name, item in group.items() if isinstance(item, h5py.Group)]
+    members.sort(key=lambda member: h5py.h5o.get_info(member[1].id).addr)
+    for name, item in members:
         full = f"{prefix}{name}"
         children = list(item.values())
         if any(isinstance(c, h5py.Dataset) for c in children) or not children:
-            out.append((full, "", _h5_layer_arrays(item, f"{path}: layer '{full}'")))
+            layer_type = item.attrs.get("type", "")
+            out.append((full, layer_type.decode() if isinstance(layer_type, bytes) else
+                        str(layer_type), _h5_layer_arrays(item, f"{path}: layer '{full}'")))
         out.extend(_h5_layers(item, f"{full}/", path))
     return out
 
 
 def read_net_hdf5(path: PathLike) -> LayerWeights:
-    """Layers of a Caffe HDF5 snapshot (group data/<layer>/<i>); types are not stored: ""."""
+    """Layers of a Caffe HDF5 snapshot (group data/<layer>/<i>), in net order; their types
+    where Poseidon wrote the file (an attribute), else ""."""
     with open_h5(path, "caffemodel.h5") as f:
         if "data" not in f:
+            check_kind(path, "caffemodel")
             raise FormatError(f"{path}: not a Caffe HDF5 model (no 'data' group)")
         return _h5_layers(f["data"], "", path)
 
@@ -127,10 +141,12 @@ def write_net_hdf5(path: PathLike, weights: LayerWeights,
             groups.append(("diff", list(diffs)))
         for group_name, per_layer in groups:
             top = f.create_group(group_name)
-            for (layer_name, _, _), arrays in zip(weights, per_layer):
+            for (layer_name, layer_type, _), arrays in zip(weights, per_layer):
                 if layer_name in top:
                     continue
                 g = top.create_group(layer_name)
+                if layer_type:  # for --info and readers; Caffe reads only the datasets
+                    g.attrs["type"] = layer_type
                 for i, a in enumerate(arrays):
                     g.create_dataset(str(i), data=np.asarray(a))
 

@@ -9,19 +9,23 @@ here it is one (an fc layer's step: 0.38 ms against 0.74).
 LRN in NumPy is some twenty passes over blobs that do not fit in cache (AlexNet's norm1:
 37 MB); here it is one pass per image. These are Caffe's loops, compiled by Numba, in the
 NumPy forms' operation order (equal to the bit: the tests check it); the NumPy forms stay
-the reference, and these are used only when Numba imports (``pip install 'poseidon[fast]'``)
-and POSEIDON_NUMBA is not 0. Compiled code is cached on disk, so a
-process pays the compilation (about a second per kernel and dtype) once per machine.
+the reference, and these are used only when Numba imports (``pip install -e '.[fast]'`` in
+the checkout) and POSEIDON_NUMBA is not 0. Compiled code is cached on disk, so the
+compilation (about a second per kernel and dtype) is paid once per machine: by `poseidon
+warmup` or `poseidon train` ahead of time (``warm``), or by the first use, which says so once.
 """
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
+from .. import glog
+
 try:  # optional: without it the NumPy forms serve
     import numba
+    from numba.core import event as numba_event
 except ImportError:  # pragma: no cover - depends on the install
     numba = None
 
@@ -36,9 +40,64 @@ def available() -> bool:
 _OPTIONS = dict(boundscheck=False, error_model="numpy")
 
 
+#: every kernel ``jit`` compiles (Numba's dispatchers)
+KERNELS: list[Any] = []
+
+#: called with a kernel's label ("im2col float32") as it starts to compile; None: the first
+#: compilation in this process logs one line saying so (``report_compiles``)
+_reporter: Callable[[str], None] | None = None
+_told = False
+
+
+def report_compiles(reporter: Callable[[str], None] | None) -> None:
+    """Have ``reporter`` told of every kernel compilation from now on (a warm-up's progress);
+    None: say it once per process, in the log, as training does.
+
+    A kernel compiles only when Numba's disk cache lacks it, so the line is said once per
+    machine: the first run after an install or a change of these sources."""
+    global _reporter
+    _reporter = reporter
+
+
+def kernel_label(dispatcher: Any, args: Any) -> str:
+    """A kernel's name and the dtypes of its array arguments: ``max_pool_backward float32,int8``."""
+    dtypes = dict.fromkeys(str(a.dtype) for a in args if isinstance(a, numba.types.Array))
+    return f"{dispatcher.py_func.__name__.lstrip('_')} {','.join(dtypes)}"
+
+
+def _compiling(dispatcher: Any, args: Any) -> None:
+    global _told
+    if not any(dispatcher is k for k in KERNELS):  # Numba's own helpers, inlined loops
+        return
+    if _reporter is not None:
+        _reporter(kernel_label(dispatcher, args))
+    elif not _told:
+        _told = True
+        glog.info(f"Compiling the CPU kernels (Numba) for this machine, once: about a second "
+                  f"each, cached in {dispatcher.stats.cache_path}. `poseidon warmup` compiles "
+                  "them all ahead of time")
+
+
+if numba is not None:
+    class _CompileListener(numba_event.Listener):
+        """Numba's "numba:compile" event starts only on a disk-cache miss: a real compile."""
+
+        def on_start(self, event: Any) -> None:
+            _compiling(event.data["dispatcher"], event.data["args"])
+
+        def on_end(self, event: Any) -> None:
+            pass
+
+    numba_event.register("numba:compile", _CompileListener())
+
+
 def jit(fn: Any) -> Any:
     """A compiled kernel (cached on disk, GIL released); ``fn`` itself without Numba."""
-    return numba.njit(cache=True, nogil=True, **_OPTIONS)(fn) if numba else fn
+    if numba is None:
+        return fn
+    kernel = numba.njit(cache=True, nogil=True, **_OPTIONS)(fn)
+    KERNELS.append(kernel)
+    return kernel
 
 
 def inline(fn: Any) -> Any:
@@ -294,3 +353,20 @@ def momentum_step(history: Any, diff: Any, momentum: np.floating, rate: np.float
     kind = history.dtype.type
     _momentum_step(history.reshape(-1), diff.reshape(-1), kind(momentum), kind(rate))
     return True
+
+
+def warm(dtype: Any) -> None:
+    """Compile, or load from the disk cache, every kernel of this module for ``dtype`` arrays,
+    called as the layers and solvers call them (the same argument types, so the same
+    signatures), on inputs of a few elements."""
+    from .geometry import INDEX_DTYPES, Geometry
+
+    g = Geometry(channels=1, height=3, width=3, kernel_h=2, kernel_w=2, out_h=2, out_w=2)
+    x = np.zeros((1, 1, 3, 3), dtype)
+    dy = np.zeros((1, 1, 2, 2), dtype)
+    col2im(im2col(x, g), g, np.empty_like(x))
+    for index in INDEX_DTYPES:
+        max_pool_backward(dy, np.zeros(dy.shape, index), g, np.empty_like(x))
+    top, scale, factor = lrn_forward(x, 1, 1.0, 0.75, 1.0)
+    lrn_backward(x, top, top, scale, factor, 1, 1.0, np.empty_like(x))
+    momentum_step(np.zeros(1, dtype), np.zeros(1, dtype), np.float32(0.9), np.float32(0.1))

@@ -4,6 +4,12 @@ vision layers share."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+#: the types of MAX pooling's argmax record on the CPU, narrowest first (``index_dtype``)
+INDEX_DTYPES = (np.int8, np.int16, np.int32)
 
 
 @dataclass(frozen=True)
@@ -52,3 +58,9 @@ def pool_out_size(size: int, kernel: int, pad: int, stride: int, any_pad: bool) 
     if any_pad and (out - 1) * stride >= size + pad:
         out -= 1
     return out
+
+
+def index_dtype(window: int) -> Any:
+    """The narrowest of INDEX_DTYPES for a window of ``window`` offsets: the argmax record MAX
+    pooling keeps for its backward pass is read once per output, so narrow is fast."""
+    return next((t for t in INDEX_DTYPES if window <= np.iinfo(t).max), INDEX_DTYPES[-1])

@@ -16,7 +16,7 @@ import numpy as np
 from .. import backend
 from ..kernels import cpu as compiled
 from ..kernels import cuda
-from ..kernels.geometry import Geometry
+from ..kernels.geometry import Geometry, index_dtype
 
 
 #: CPU pooling handles this many bytes of (padded) input planes at a time, so the
@@ -105,10 +105,6 @@ def _planes(a: np.ndarray, out: bool = False) -> np.ndarray:
     return a.reshape(-1, *a.shape[2:])
 
 
-def _index_dtype(window: int) -> Any:
-    return np.int8 if window <= 127 else np.int16 if window <= 32767 else np.int32
-
-
 def _is_global(g: Geometry) -> bool:
     """One window covering each whole plane: reduce over the plane instead of looping
     over its kh*kw offsets (the window offset is then the flat index h*W + w)."""
@@ -124,7 +120,7 @@ def _max_pool_forward_cpu(x: np.ndarray, g: Geometry) -> tuple[np.ndarray, np.nd
         return top[..., None], arg[..., None]
     win = _Windows(g, x.dtype.itemsize)
     xs = _planes(x)
-    idt = _index_dtype(g.window)
+    idt = index_dtype(g.window)
     top = np.empty((xs.shape[0], g.out_h, g.out_w), dtype=x.dtype)
     arg = np.empty(top.shape, dtype=idt)
     for s in win.chunks(xs.shape[0]):

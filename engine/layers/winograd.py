@@ -305,3 +305,18 @@ class Plan:
         m = np.empty((16, k, th * tw * n), dy.dtype)
         _outputs(m.reshape(-1), tmp, yt.reshape(-1), True, k, th, tw, n)
         return m
+
+
+def warm(dtype: Any) -> None:
+    """Compile, or load from the disk cache, this module's kernels for ``dtype`` arrays: one
+    forward and backward of the smallest convolution that runs as F(2x2, 3x3)."""
+    from ..kernels.geometry import Geometry
+
+    g = Geometry(channels=MIN_CHANNELS, height=2, width=2, kernel_h=3, kernel_w=3, pad_h=1,
+                 pad_w=1, out_h=2, out_w=2)
+    x = np.zeros((MIN_IMAGES, g.channels, 2, 2), dtype)
+    w = np.zeros((1, g.channels, 3, 3), dtype)
+    y = np.empty((MIN_IMAGES, 1, 2, 2), dtype)
+    plan = Plan(g, 1, 1, MIN_IMAGES)
+    plan.forward(x, w, y)
+    plan.backward(y, x, w, np.zeros_like(w), np.empty_like(x))

@@ -100,6 +100,14 @@ class JobConfig:
     weights: tuple[str, ...] = ()
     snapshot: str | None = option(None, "--snapshot", type=click.Path(dir_okay=False),
                                   help="Resume from this .solverstate (or .solverstate.h5).")
+    level: int | None = option(
+        None, "--level", type=int,
+        help="The train net's NetState level (Caffe's -level; default: the solver's "
+        "train_state).")
+    stage: tuple[str, ...] = option(
+        (), "--stage", multiple=True, metavar="STAGE[,STAGE...]",
+        help="NetState stages of the train net, added to the solver's train_state (Caffe's "
+        "-stage; repeat, or separate by commas).")
     #: the GPUs each machine's workers take round robin (None: the CPU)
     gpus: tuple[int, ...] | None = None
     #: --gpus: local worker i of every machine takes gpus[i] (one worker per GPU)

@@ -35,15 +35,23 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
                  "MASTER_ADDR", "MASTER_PORT")
 
 
-def worker_command(config: JobConfig, rank: int | None, gpu: int | None) -> list[str]:
-    """The command line of worker ``rank``: the job's configuration as JSON, not an argv. The
-    table comes on its standard input; without a rank, from the rendezvous."""
+def worker_command(rank: int | None, gpu: int | None) -> list[str]:
+    """The command line of worker ``rank``: its rank and GPU only. The job's configuration
+    and the table come on its standard input (``worker_input``), where `ps` does not show
+    them; without a rank, the table comes from the rendezvous."""
     cmd = [sys.executable, "-m", "poseidon_cli.launch.worker"]
     if rank is not None:
         cmd += ["--rank", str(rank)]
     if gpu is not None:
         cmd += ["--gpu", str(gpu)]
-    return cmd + ["--config", config.to_json()]
+    return cmd
+
+
+def worker_input(config: JobConfig, entries: list[HostEntry] | None) -> bytes:
+    """A worker's standard input: the job's configuration as one line of JSON, then the host
+    table (one line of JSON) when it has a rank in it."""
+    lines = [config.to_json()] + ([table_json(entries)] if entries is not None else [])
+    return "".join(line + "\n" for line in lines).encode()
 
 
 def ssh_command(entry: HostEntry, cmd: Sequence[str]) -> list[str]:
@@ -121,16 +129,16 @@ def launch_all(config: JobConfig, entries: list[HostEntry], launch: str) -> None
         key = new_key()  # a fresh key per launch: an earlier run's messages cannot be replayed
     plain_env = {k: v for k, v in os.environ.items() if k != KEY_ENV}  # ssh: the key goes on stdin
     env = {**plain_env, KEY_ENV: key_hex(key)}
-    table = (table_json(entries) + "\n").encode()
+    stdin = worker_input(config, entries)
     gpu_of = gpus_of(entries, config)
     children = []
     for e in entries:
-        cmd = worker_command(config, e.rank, gpu_of[e.rank])
+        cmd = worker_command(e.rank, gpu_of[e.rank])
         if is_local(e, local):
-            children.append(Child(f"worker {e.rank} ({e})", cmd, env, table))
+            children.append(Child(f"worker {e.rank} ({e})", cmd, env, stdin))
         elif launch == "ssh":
             children.append(Child(f"worker {e.rank} ({e})", ssh_command(e, cmd), plain_env,
-                                  (key_hex(key) + "\n").encode() + table))
+                                  (key_hex(key) + "\n").encode() + stdin))
     if not children:
         raise CommError(f"{config.hosts}: no worker is on this machine; run `poseidon train ... "
                         "--rank N` on each host, or use --launch ssh")
@@ -180,7 +188,7 @@ def launch_node(config: JobConfig, node: NodePlacement, nproc: int | None) -> No
                "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": str(node.node_rank),
                "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
         children.append(Child(f"worker {rank} (node {node.node_rank} local rank {i})",
-                              worker_command(config, None, None), env, b""))
+                              worker_command(None, None), env, worker_input(config, None)))
     start_and_supervise(children, config)
 
 

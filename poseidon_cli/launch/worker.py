@@ -3,11 +3,12 @@
 It starts its node's PS shard server as a child process, builds the Solver with
 ``RunContext(rank, P)``, meets every peer at the start-up barrier, prints the plan (rank 0),
 trains with the DWBP syncer attached, and finally says BYE. The launcher starts it as
-``python -m poseidon_cli.launch.worker --rank N [--gpu G] --config JSON`` with the host table on
-its standard input (a PyTorchJob pod starts it without ``--rank``: it meets the others at the
-rendezvous); a worker started by hand (`poseidon train ... --rank N`) or by a cluster manager
-(`srun poseidon train ...`) runs ``run_worker`` in the CLI's process. Its shard gets its
-settings, the table and the key on its standard input (shard.py).
+``python -m poseidon_cli.launch.worker --rank N [--gpu G]`` with the job's configuration and
+the host table on its standard input, a line of JSON each (a PyTorchJob pod starts it without
+``--rank`` and the table: it meets the others at the rendezvous); a worker started by hand
+(`poseidon train ... --rank N`) or by a cluster manager (`srun poseidon train ...`) runs
+``run_worker`` in the CLI's process. Its shard gets its settings, the table and the key on its
+standard input (shard.py).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from .config import JobConfig, require_key
 from .managers import Placement, detect
 from .relay import ErrorRelay
 from .shard import EXIT_GRACE_S, ShardSettings, ShardStarter
+
 
 def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int | None) -> None:
     """Train as worker ``rank`` of ``entries`` on ``gpu`` (None: the CPU)."""
@@ -279,11 +281,15 @@ def main(argv: list[str] | None = None) -> None:
                     help="this worker's rank in the host table on standard input (without it: "
                     "the rank from the manager's variables, the table from the rendezvous)")
     ap.add_argument("--gpu", type=int, default=None)
-    ap.add_argument("--config", required=True, help="the job's JobConfig as JSON")
     args = ap.parse_args(argv)
 
     with user_errors():
-        config = JobConfig.from_json(args.config)
+        # not on the command line, where `ps` shows it to every user of the machine
+        line = sys.stdin.readline()
+        if not line.strip():
+            raise CommError("no job configuration on standard input: a worker is started by "
+                            "`poseidon train` (its launcher writes the configuration there)")
+        config = JobConfig.from_json(line)
         if args.rank is None:
             placement = detect(os.environ)
             if not isinstance(placement, Placement):
