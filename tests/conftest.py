@@ -2,12 +2,20 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("POSEIDON_SHARED", ROOT.parent / "shared"))
+
+
+# pytest-xdist's workers ignore SIGINT, and a process started from one would inherit that and never
+# hear the Ctrl-C a test sends it (Python installs its KeyboardInterrupt handler only where SIGINT
+# is not ignored). A handler, unlike SIG_IGN, is not inherited across exec.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def shared_path(*parts: str) -> Path:
