@@ -75,7 +75,9 @@ class Job:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "poseidon_cli.main", "train", "--solver", str(self.solver),
              "--hosts", str(self.hosts), "--elastic", "--commit-every", str(K),
-             "--timeout", "10", *args],
+             # a loss by kill or SIGTERM is seen at once; --timeout is for silence, and a
+             # machine loaded by other work can keep a starting worker quiet for 10 s
+             "--timeout", "30", *args],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self.log.open("w"),
             start_new_session=True)
         return self

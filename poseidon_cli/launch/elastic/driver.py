@@ -540,7 +540,12 @@ class Driver:
                             f"snapshot on disk: {self._newest_snapshot()}")
             self.done = True
             return
-        commit = common_commit(seats) if seats else None
+        try:
+            commit = common_commit(seats) if seats else None
+        except CommError as e:  # the losses that left these survivors are the cause
+            self.failure = "; ".join([str(e), *self.events.changes])
+            self.done = True
+            return
         joiners = self._joiners(now)
         candidates = seats + [Seat(w.wid, w.slot.host, w.slot.port, w.slot.machine)
                               for w in joiners]
