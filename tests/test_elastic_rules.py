@@ -111,6 +111,12 @@ def test_the_survivors_go_on_from_the_newest_commit_they_all_hold():
     assert common_commit(seats) == 40
     with pytest.raises(CommError, match="no commit in common"):
         common_commit([seats[0], Seat(3, "127.0.0.1", 9006, "d", (10, 20))])
+    # the losses that left such survivors are the cause, and the error says them
+    lost = "lost worker 1 (127.0.0.1:9002): nothing heard for 30 s"
+    with pytest.raises(CommError) as e:
+        common_commit([seats[0], Seat(3, "127.0.0.1", 9006, "d")], [lost])
+    assert str(e.value) == ("elastic: the survivors hold no commit in common (127.0.0.1:9000 "
+                            f"holds [40, 50]; 127.0.0.1:9006 holds []); {lost}")
     assert common_commit([]) is None
     table = table_of([seats[2], Seat(4, "127.0.0.1", 9008, "c"), seats[0]])
     assert [(e.rank, e.port, e.machine, e.local_rank) for e in table] == [

@@ -541,10 +541,9 @@ class Driver:
             self.done = True
             return
         try:
-            commit = common_commit(seats) if seats else None
-        except CommError as e:  # the losses that left these survivors are the cause
-            self.failure = "; ".join([str(e), *self.events.changes])
-            self.done = True
+            commit = common_commit(seats, self.events.changes) if seats else None
+        except CommError as e:
+            self.failure, self.done = str(e), True
             return
         joiners = self._joiners(now)
         candidates = seats + [Seat(w.wid, w.slot.host, w.slot.port, w.slot.machine)

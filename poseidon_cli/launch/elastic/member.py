@@ -130,8 +130,8 @@ class Member:
         from engine import glog
         from engine.context import RunContext
 
-        from ..worker import communicator
         from ...training import build_solver
+        from ..worker import communicator
 
         gen, rank, entries = order["gen"], order["rank"], order["hosts"]
         self.rank = rank
@@ -182,8 +182,8 @@ class Member:
         """After the generation's handshake: the state the joiners lack comes from rank 0;
         every worker holds the commit it starts from; the boundary logic wraps the syncer."""
         from engine.comm.handover import receive_commit, send_commit
-        from engine.snapshots import Commit
         from engine.comm.transport import WORKER
+        from engine.snapshots import Commit
 
         solver, chunk = self.solver, self.config.chunk_bytes
         start = order["commit"]

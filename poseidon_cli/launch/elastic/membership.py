@@ -33,17 +33,19 @@ class Seat:
     commits: tuple[int, ...] = ()
 
 
-def common_commit(survivors: Sequence[Seat]) -> int | None:
-    """The newest commit every survivor holds; None when there is none (no survivor)."""
+def common_commit(survivors: Sequence[Seat], changes: Sequence[str] = ()) -> int | None:
+    """The newest commit every survivor holds; None when there is none (no survivor).
+    ``changes`` (the losses that left these survivors) go into the error: they are its cause."""
     if not survivors:
         return None
     held = set(survivors[0].commits)
     for s in survivors[1:]:
         held &= set(s.commits)
     if not held:
-        raise CommError("elastic: the survivors hold no commit in common ("
-                        + "; ".join(f"{s.host}:{s.port} holds {list(s.commits)}"
-                                    for s in survivors) + ")")
+        raise CommError("; ".join([
+            "elastic: the survivors hold no commit in common ("
+            + "; ".join(f"{s.host}:{s.port} holds {list(s.commits)}" for s in survivors) + ")",
+            *changes]))
     return max(held)
 
 

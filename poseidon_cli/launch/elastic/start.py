@@ -184,7 +184,6 @@ def join(config: JobConfig, rendezvous: str) -> None:
     import os
 
     from ..hostfile import reserve_ports
-
     from ..managers import Placement, detect
     from ..rendezvous import own_address
     from .member import run_member
