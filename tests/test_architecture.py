@@ -9,6 +9,7 @@ nothing there is needed to train).
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -68,12 +69,21 @@ def imports_of(name: str, path: Path, known: dict[str, Path],
     return found
 
 
-def graph(missing: list[str] | None = None) -> dict[str, set[str]]:
+@functools.cache
+def walk() -> tuple[dict[str, frozenset[str]], tuple[str, ...]]:
+    """The import graph of the packages and the imports naming no module, parsed once for
+    the file's tests."""
     known = modules()
-    return {name: imports_of(name, path, known, missing) for name, path in known.items()}
+    missing: list[str] = []
+    g = {name: frozenset(imports_of(name, path, known, missing)) for name, path in known.items()}
+    return g, tuple(missing)
 
 
-def circles(g: dict[str, set[str]]) -> list[list[str]]:
+def graph() -> dict[str, frozenset[str]]:
+    return walk()[0]
+
+
+def circles(g: dict[str, frozenset[str]] | dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan's algorithm)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -120,9 +130,7 @@ def test_the_walk_sees_deferred_and_type_checking_imports():
 
 
 def test_every_import_of_ours_names_a_module():
-    missing: list[str] = []
-    graph(missing)
-    assert missing == []
+    assert walk()[1] == ()
 
 
 def test_no_module_reaches_itself_through_imports():
