@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import functools
 import re
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,7 +84,7 @@ def graph() -> dict[str, frozenset[str]]:
     return walk()[0]
 
 
-def circles(g: dict[str, frozenset[str]] | dict[str, set[str]]) -> list[list[str]]:
+def circles(g: Mapping[str, Collection[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan's algorithm)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
