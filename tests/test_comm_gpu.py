@@ -1,8 +1,9 @@
 """The distributed path on a GPU: a worker on GPU 0 trains as the CPU does, and two workers
 sharing GPU 0 (`-n 2 --gpu 0`) equal one GPU worker with twice the batch, for every scheme.
 
-The gradients leave the device for the communicator and the averaged ones come back, so this
-is the whole GPU training step plus the wire. Same non-chaotic set-up and bound as
+The gradients leave the device for the communicator (dense schemes: staged on a copy stream
+of their own, engine/comm/staging.py) and the averaged ones come back, so this is the whole
+GPU training step plus the wire. Same non-chaotic set-up and bound as
 test_comm_train.py (see its docstring). Skipped without CuPy and a GPU, as in CI.
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ def test_one_gpu_worker_trains_as_the_cpu_does(digits_db, gpu_reference, tmp_pat
     assert max(relative_distance(gpu_reference, cpu).values()) <= BOUND
 
 
-@pytest.mark.parametrize("comm", ["ps", "sfb", "hybrid"])
+@pytest.mark.parametrize("comm", ["ps", "sfb", "hybrid", "ring", "shm"])
 def test_two_workers_sharing_gpu_0_equal_one_gpu_worker_with_twice_the_batch(
         comm, digits_db, gpu_reference, tmp_path):  # noqa: F811
     got = train(tmp_path, digits_db, TOTAL_BATCH // 2, "n2", "-n", "2", "--gpu", "0",

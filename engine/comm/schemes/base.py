@@ -24,6 +24,7 @@ import numpy as np
 from engine.pb import poseidon_pb2 as pb
 
 from ..cost import Device, LayerTiming
+from ..staging import Staged, Staging
 from ..units import LayerSlot, Unit, gather, is_view, scatter_mean, split
 
 if TYPE_CHECKING:
@@ -155,11 +156,20 @@ class DenseScheme(Scheme):
                  groups: Sequence[tuple[int, ...]] | None = None, mine: int = 0) -> None:
         super().__init__(host, units, chunk_bytes, groups, mine)
         self._buffers: dict[int, np.ndarray] = {}
+        self._staging = Staging()
 
-    def start(self, unit: Unit, rnd: int, bits: int, captured: Any) -> None:
-        if unit.id not in self._buffers and not is_view(unit):
-            self._buffers[unit.id] = np.empty(unit.count, np.dtype(unit.params[0].blob.diff.dtype))
-        vec = gather(unit, self._buffers.get(unit.id))
+    def capture(self, unit: Unit) -> Staged | None:
+        # a GPU's gradients start for the host now, beside the backward of the layers below
+        return self._staging.begin(unit)
+
+    def start(self, unit: Unit, rnd: int, bits: int, captured: Staged | None) -> None:
+        if captured is not None:
+            vec = captured.wait()
+        else:
+            if unit.id not in self._buffers and not is_view(unit):
+                self._buffers[unit.id] = np.empty(unit.count,
+                                                  np.dtype(unit.params[0].blob.diff.dtype))
+            vec = gather(unit, self._buffers.get(unit.id))
         world = self.host.world  # the mean over every worker, whatever the levels
 
         def finish(total: np.ndarray, bits: int) -> None:

@@ -1,0 +1,88 @@
+"""Device-to-host staging of a unit's gradients, overlapping the backward of the layers below.
+
+On a GPU a unit's gradients must reach host memory before a scheme can send them. Copied on
+the training thread's own stream, the copy would queue behind the backward already launched,
+block that thread until the GPU drained, and leave the GPU idle while it ran. Instead, at
+release, the training thread marks the compute stream with an event and queues the copy on a
+stream of its own that waits for that event, into page-locked host memory, so the copy engine
+moves the bytes while the compute stream goes on with the layers below. The progress thread
+waits for the copy's event alone, never for the GPU's queue, before the scheme reads the vector.
+
+One vector per unit, reused every round: a round's copy is queued at release, and the unit's
+previous round was applied before that (the solver waits for it before the layer's forward),
+so no round reads a vector the next one writes. Host arrays need no staging (``begin``
+returns None and the scheme gathers them as before).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engine import backend
+
+from .units import Unit
+
+
+@dataclass
+class Staged:
+    """One round's copy in flight: ``vec`` holds the unit's gradients once ``finished`` has
+    happened; ``started`` marks when the copy stream began it (both CUDA events, timed)."""
+    vec: np.ndarray
+    started: Any
+    finished: Any
+    #: device arrays the copy reads that nothing else holds (contiguous copies of strided diffs)
+    keep: tuple[Any, ...] = ()
+
+    def wait(self) -> np.ndarray:
+        """The unit's gradients on the host (blocks until the copy is done, not the GPU)."""
+        self.finished.synchronize()
+        self.keep = ()
+        return self.vec
+
+    def copy_ms(self) -> float:
+        """How long the copy itself took on the device (after ``wait``)."""
+        import cupy
+        return float(cupy.cuda.get_elapsed_time(self.started, self.finished))
+
+
+class Staging:
+    """Per scheme instance: a copy stream per device and a page-locked vector per unit."""
+
+    def __init__(self) -> None:
+        self._streams: dict[int, Any] = {}
+        self._vectors: dict[int, np.ndarray] = {}
+
+    def begin(self, unit: Unit) -> Staged | None:
+        """On the training thread at release: queue the copy of ``unit``'s gradients to the
+        host behind what the compute stream has queued so far; None for host arrays."""
+        diffs = [p.blob.diff for p in unit.params]
+        if not diffs or not backend.is_gpu_array(diffs[0]):
+            return None
+        import cupy
+        device = diffs[0].device
+        with device:
+            flat = tuple(d if d.flags.c_contiguous else cupy.ascontiguousarray(d) for d in diffs)
+            stream = self._streams.get(device.id)
+            if stream is None:
+                stream = self._streams[device.id] = cupy.cuda.Stream(non_blocking=True)
+            vec = self._vectors.get(unit.id)
+            if vec is None:
+                dtype = np.dtype(diffs[0].dtype)
+                count = sum(int(d.size) for d in diffs)
+                memory = cupy.cuda.alloc_pinned_memory(max(count * dtype.itemsize, 1))
+                vec = self._vectors[unit.id] = np.frombuffer(memory, dtype, count)
+            ready = cupy.cuda.Event()
+            ready.record()  # the compute stream: the gradients are final once it gets here
+            stream.wait_event(ready)
+            started, finished = cupy.cuda.Event(), cupy.cuda.Event()
+            started.record(stream)
+            address = vec.ctypes.data
+            for d in flat:
+                cupy.cuda.runtime.memcpyAsync(address, d.data.ptr, d.nbytes,
+                                              cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+                address += d.nbytes
+            finished.record(stream)
+        keep = tuple(f for f, d in zip(flat, diffs) if f is not d)
+        return Staged(vec, started, finished, keep)
