@@ -16,10 +16,10 @@ cudnn.benchmark does); workspaces come from CuPy's memory pool; they run on CuPy
 stream.
 
 Numerics: Caffe's, float32 in and float32 accumulation. Engines that down-convert inputs
-(TF32 tensor cores: 10-bit mantissas) or are non-deterministic (atomics in wgrad) are
-deselected, so a plan computes the same bits every time and agrees with the NumPy path to
-float32 rounding. Where cuDNN has no engine for a shape, the layer keeps im2col and says so
-once.
+(TF32 tensor cores: 10-bit mantissas), are non-deterministic (atomics in wgrad), or transform
+(FFT, Winograd) or reduce in less than float32 are deselected (``EXCLUDED_NOTES``), so a plan
+computes the same bits every time and agrees with the NumPy path to float32 rounding. Where
+cuDNN has no engine for a shape, the layer keeps im2col and says so once.
 """
 from __future__ import annotations
 
@@ -33,8 +33,16 @@ _lock = threading.Lock()
 _module: Any = None
 _import_error: str | None = None
 _handles: dict[int, Any] = {}
-#: plans tried per graph (the heuristics' first ones) and runs timed of each
+#: plans timed per graph (the heuristics' first ones that build) and runs timed of each
 MAX_CANDIDATES = 8
+#: where the candidates come from (cudnn.heur_mode names), in order
+HEUR_MODES = ("A", "FALLBACK")
+#: plans never taken (cudnn.numerical_note names): TF32 tensor cores, atomics (another sum
+#: order every run), and the transforms and reductions that give up float32's accuracy (an
+#: FFT or Winograd weight gradient missed real Caffe's by 3.5e-4 on CIFAR10-quick's conv2)
+EXCLUDED_NOTES = ("TENSOR_CORE", "DOWN_CONVERT_INPUTS", "NONDETERMINISTIC",
+                  "REDUCED_PRECISION_REDUCTION", "FFT", "WINOGRAD", "WINOGRAD_TILE_4x4",
+                  "WINOGRAD_TILE_6x6", "WINOGRAD_TILE_13x13")
 TIMED_RUNS = 3
 _graphs: dict[tuple, "_Graph | Exception"] = {}
 
@@ -132,20 +140,23 @@ class _Graph:
         self.out = out
         graph.validate()
         graph.build_operation_graph()
-        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        graph.deselect_numeric_notes([cudnn.numerical_note.NONDETERMINISTIC,
-                                      cudnn.numerical_note.TENSOR_CORE,
-                                      cudnn.numerical_note.DOWN_CONVERT_INPUTS])
+        graph.create_execution_plans([getattr(cudnn.heur_mode, m) for m in HEUR_MODES])
+        graph.deselect_numeric_notes([getattr(cudnn.numerical_note, n) for n in EXCLUDED_NOTES
+                                      if hasattr(cudnn.numerical_note, n)])
         graph.check_support()
         self.graph = graph
         #: the plans built, in the heuristics' order, and their workspaces
         self.candidates: list[tuple[int, int]] = []
-        for i in range(min(int(graph.get_execution_plan_count()), MAX_CANDIDATES)):
+        # the count includes the deselected plans (which fail to build), and on a Hopper GPU
+        # the heuristics list TF32 plans first: every index is tried until enough are built
+        for i in range(int(graph.get_execution_plan_count())):
             try:
                 graph.build_plan_at_index(i)
                 self.candidates.append((i, int(graph.get_workspace_size_plan_at_index(i))))
-            except Exception:  # an engine the heuristics listed but this shape cannot use
+            except Exception:  # deselected, or an engine this shape cannot use
                 continue
+            if len(self.candidates) == MAX_CANDIDATES:
+                break
         if not self.candidates:
             raise RuntimeError(f"no cuDNN engine for {direction} of {s}")
         # chosen here, on scratch operands, so that a plan that cannot run fails while the
