@@ -40,9 +40,13 @@ def numba_wanted() -> bool:
 
 
 def _source(module: str) -> Path:
-    spec = importlib.util.find_spec(module)
+    """The source file of ``module``, found without importing its packages (engine.layers
+    imports every layer, Numba and SciPy: the launcher of a distributed run needs none)."""
+    top, *rest = module.split(".")
+    spec = importlib.util.find_spec(top)
     assert spec is not None and spec.origin is not None
-    return Path(spec.origin)
+    path = Path(spec.origin).parent.joinpath(*rest)
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
 
 
 def stamp_path(dtype: str) -> Path | None:
