@@ -2,8 +2,10 @@
 
 NumPy's matmul has no beta: accumulating a weight gradient there takes the product into a
 buffer and then another pass over the weight (AlexNet's fc6 is 151 MB). SciPy's BLAS wrappers
-expose beta, so with SciPy installed (the `fast` extra) the product is added straight into the
-gradient; without it, and for CuPy arrays, the buffer path stays (the reference).
+expose beta, so with SciPy installed (the `fast` extra) a large product is added straight into
+the gradient. A small one keeps the buffer path (the reference, also CuPy's): its scratch and
+extra pass cost less than importing scipy.linalg, about 0.2 s of CPU in every worker process,
+which is paid only once a gradient of ``BLAS_FROM_BYTES`` or more needs it.
 """
 from __future__ import annotations
 
@@ -11,10 +13,22 @@ from typing import Any
 
 import numpy as np
 
-try:
-    from scipy.linalg import blas as _blas
-except ImportError:  # the fast extra is optional
-    _blas = None
+#: the smallest gradient (bytes) added by SciPy's GEMM in place rather than through a buffer
+BLAS_FROM_BYTES = 8 << 20
+
+#: scipy.linalg.blas once a large gradient needed it; False where SciPy is not installed
+_blas: Any = None
+
+
+def _scipy_blas() -> Any:
+    global _blas
+    if _blas is None:
+        try:
+            from scipy.linalg import blas
+            _blas = blas
+        except ImportError:  # the fast extra is optional
+            _blas = False
+    return _blas or None
 
 
 def _fortran(x: np.ndarray) -> tuple[np.ndarray, int]:
@@ -30,10 +44,11 @@ def _fortran(x: np.ndarray) -> tuple[np.ndarray, int]:
 def accumulate_matmul(a: Any, b: Any, c: Any, buffer: dict[str, Any]) -> None:
     """``c += a @ b``. ``buffer`` keeps the product's scratch array between calls (for the
     path without BLAS access)."""
-    if _blas is not None and isinstance(c, np.ndarray) and c.dtype in (np.float32, np.float64) \
-            and c.flags.c_contiguous and a.dtype == b.dtype == c.dtype:
+    if isinstance(c, np.ndarray) and c.nbytes >= BLAS_FROM_BYTES \
+            and c.dtype in (np.float32, np.float64) and c.flags.c_contiguous \
+            and a.dtype == b.dtype == c.dtype and (scipy_blas := _scipy_blas()) is not None:
         # c is C-ordered, so c.T is Fortran-ordered: c.T += b.T @ a.T, in place
-        gemm = _blas.get_blas_funcs("gemm", (c,))
+        gemm = scipy_blas.get_blas_funcs("gemm", (c,))
         x, tx = _fortran(b.T)
         y, ty = _fortran(a.T)
         out = gemm(1.0, x, y, beta=1.0, c=c.T, trans_a=tx, trans_b=ty, overwrite_c=1)
