@@ -35,8 +35,6 @@ _import_error: str | None = None
 _handles: dict[int, Any] = {}
 #: plans timed per graph (the heuristics' first ones that build) and runs timed of each
 MAX_CANDIDATES = 8
-#: where the candidates come from (cudnn.heur_mode names), in order
-HEUR_MODES = ("A", "FALLBACK")
 #: plans never taken (cudnn.numerical_note names): TF32 tensor cores, atomics (another sum
 #: order every run), and the transforms and reductions that give up float32's accuracy (an
 #: FFT or Winograd weight gradient missed real Caffe's by 3.5e-4 on CIFAR10-quick's conv2)
@@ -140,7 +138,7 @@ class _Graph:
         self.out = out
         graph.validate()
         graph.build_operation_graph()
-        graph.create_execution_plans([getattr(cudnn.heur_mode, m) for m in HEUR_MODES])
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         graph.deselect_numeric_notes([getattr(cudnn.numerical_note, n) for n in EXCLUDED_NOTES
                                       if hasattr(cudnn.numerical_note, n)])
         graph.check_support()
