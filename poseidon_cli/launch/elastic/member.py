@@ -92,6 +92,12 @@ class Member:
             self.client.tell("report", gen=gen, status=status, commits=self.commits.iterations(),
                              iter=reached, reason=reason[:2000])
             if status == "left":
+                # closing before the driver's exit order came would let it see the connection
+                # close first and count this graceful leave as a lost worker (and back it off)
+                try:
+                    self._until_exit()
+                except CommError:
+                    pass  # the driver is gone: nobody is left to tell
                 return
             order = self.next_order()
             if order["kind"] == "exit":
@@ -100,9 +106,14 @@ class Member:
             status, reached, reason = self.generation(order)
             if status == "finished":
                 self.client.tell("finished", gen=gen, iter=reached)
-                while self.next_order()["kind"] != "exit":
-                    pass
+                self._until_exit()
                 return
+
+    def _until_exit(self) -> None:
+        """Carry out the driver's orders until it says exit (it has taken this worker's last
+        report by then)."""
+        while self.next_order()["kind"] != "exit":
+            pass
 
     def next_order(self) -> dict[str, Any]:
         """The driver's next assignment or exit; a write order is carried out on the way."""
