@@ -40,8 +40,8 @@ def run(world: int, comm: str, rounds: int = 2, chunk_bytes: int = 64, fusion_by
         wire: str = "fp32", shapes: dict = SHAPES, make_grads=grads, plan: dict | None = None,
         hosts=None, factors: dict | None = None, levels: bool = True) -> dict:
     """Train ``rounds`` rounds of synthetic gradients; per rank: every layer's mean gradient
-    per round as the update saw it (absent: skipped), the byte counters, the units and the
-    codec. ``plan``: more of make_plan's arguments (the sparse codec's); ``hosts``: a host
+    per round as the update saw it (absent: skipped), the byte counters, the units, the
+    codec and the agreed plan. ``plan``: more of make_plan's arguments (the sparse codec's); ``hosts``: a host
     table (default: ``world`` machines of one worker on loopback); ``factors``: layer ->
     (K, M, N) for layers whose gradient is uᵀ·v of the generator's factors (SFB)."""
     hosts = hosts or local_hosts(world)
@@ -88,7 +88,7 @@ def run(world: int, comm: str, rounds: int = 2, chunk_bytes: int = 64, fusion_by
                         b.diff[...] = d
                     sync.release(l)
             sync.close()
-            results[rank] = (seen, ep.stats.summary(), sync.units, sync.codec)
+            results[rank] = (seen, ep.stats.summary(), sync.units, sync.codec, sync.plan)
         except Exception as e:
             errors.append(f"worker {rank}: {type(e).__name__}: {e}")
 

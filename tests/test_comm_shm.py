@@ -7,7 +7,6 @@ tests/test_comm_ring.py); the host table says they share one machine.
 """
 from __future__ import annotations
 
-import glob
 import os
 
 import numpy as np
@@ -15,7 +14,7 @@ import pytest
 
 from engine.comm.cost import LayerInfo
 from engine.comm.planner import plan_layers
-from engine.comm.schemes.shm import PARALLEL_BYTES, SHM_DIR, Shm
+from engine.comm.schemes.shm import PARALLEL_BYTES, SHM_DIR, Shm, segment_path
 from poseidon_cli.launch.hostfile import free_base_port, parse_hosts_text
 from tests.test_comm_ring import SHAPES, exact_mean, run
 
@@ -26,10 +25,6 @@ def one_machine(n: int):
     return parse_hosts_text(f"127.0.0.1:{free_base_port(n)} slots={n}")
 
 
-def segments() -> set[str]:
-    return set(glob.glob(os.path.join(SHM_DIR, "poseidon-*")))
-
-
 #: SHAPES (odd sizes, smaller than P, empty, two parameters) and one layer large enough to be
 #: summed in P parts
 BIG = {**SHAPES, 5: [(PARALLEL_BYTES // 4 + 13,)]}
@@ -37,7 +32,6 @@ BIG = {**SHAPES, 5: [(PARALLEL_BYTES // 4 + 13,)]}
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_shm_sum_is_exact_bit_identical_and_sends_no_gradient_bytes(world):
-    before = segments()
     res = run(world, "shm", rounds=3, shapes=BIG, hosts=one_machine(world),
               plan={"machines": 1}, fusion_bytes=0)
     for rnd in range(3):
@@ -51,7 +45,9 @@ def test_shm_sum_is_exact_bit_identical_and_sends_no_gradient_bytes(world):
         assert {u.scheme for u in res[rank][2].values()} == {"shm"}
         for row in res[rank][1]["layers"]:  # the signals are headers: no array frame
             assert row["all_sent_per_iter"] == 0 and row["all_recv_per_iter"] == 0, row
-    assert segments() <= before, "a shared-memory segment outlived its job"
+    assert all(r[4].nonce == res[0][4].nonce for r in res.values())
+    # the job's own segment: other test files' jobs (pytest-xdist) use the same folder
+    assert not os.path.exists(segment_path(res[0][4].nonce)), "a segment outlived its job"
 
 
 def test_shm_fuses_and_composes_with_the_sparse_codec():

@@ -51,6 +51,13 @@ from .base import DenseScheme, arrays_are
 
 #: where the segment lives (a tmpfs on Linux); without it shm is not offered
 SHM_DIR = "/dev/shm"
+
+
+def segment_path(nonce: bytes) -> str:
+    """The segment of the job whose plan carries ``nonce``."""
+    return os.path.join(SHM_DIR, f"poseidon-{bytes(nonce).hex()}")
+
+
 WRITTEN, SUMMED = 0, 1
 #: units at least this large are summed by all P workers, each a part; smaller by one
 PARALLEL_BYTES = 1 << 18
@@ -102,7 +109,7 @@ class Shm(DenseScheme):
                 self._regions[(u.id, phase)] = _Region(offset, count, summers)
                 offset += -(-(self.world + 1) * count * self.dtype.itemsize // _ALIGN) * _ALIGN
         self.nbytes = max(offset, _ALIGN)
-        self.path = os.path.join(SHM_DIR, f"poseidon-{bytes(host.plan.nonce).hex()}")
+        self.path = segment_path(host.plan.nonce)
         self._creator = self.rank == 0
         self._linked = False
         self._map: mmap.mmap | None = None
