@@ -87,10 +87,11 @@ def comm(sizes: str, repeats: int, workers: str, bandwidth: str | None, piece_by
             bits = parse_bandwidth(bandwidth)
             check_root("bench comm --bandwidth")
             cleanup_stale()
+    why_no_gloo = "--no-gloo" if not gloo else "PyTorch not installed"
     gloo = gloo and gloo_available()
     where = f"one emulated link of {bandwidth} (tbf, network namespaces)" if bits else "loopback"
     peers = "a raw TCP stream" + (", Gloo (torch.distributed send/recv, CPU)" if gloo else
-                                  " (Gloo: PyTorch not installed)")
+                                  f" (Gloo: {why_no_gloo})")
     click.echo(f"machine: {cpu_name_and_blas()}, {where}; pieces of {piece} bytes; peers in the "
                f"same run: {peers}; iperf3: "
                f"{'installed, not run' if shutil.which('iperf3') else 'not installed'}")
