@@ -248,6 +248,49 @@ class _BaseConvolution(Layer):
             # reference nets' convolutions (LeNet's conv2: 0.59 against 0.80 ms a chunk)
             dw += xp.matmul(col, self._channel_major(dy).transpose(0, 2, 1)).transpose(0, 2, 1)
 
+    def _forward_chunk(self, wg: Any, x: Any, y: Any) -> None:
+        """y = this layer's linear map of x, for a chunk of images (no bias)."""
+        raise NotImplementedError
+
+    def _backward_chunk(self, wg: Any, x: Any, dy: Any, dw: Any | None, dx: Any | None) -> None:
+        """For a chunk of images: dw += the weight gradient (when dw is given), dx = the
+        bottom's gradient (when dx is given)."""
+        raise NotImplementedError
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        xp = backend.get_array_module(bottom[0].data)
+        wg = self._grouped_weight()
+        for b, t in zip(bottom, top):
+            x = self._images(b.data, self.channels)
+            y = self._images(t.data, self.num_output)
+            if self.plan:
+                self.plan.forward(x, self.blobs[0].data, y)
+                self._add_bias(y)
+                continue
+            for s in self._chunks(xp, x.dtype.itemsize):
+                self._forward_chunk(wg, x[s], y[s])
+                self._add_bias(y[s])  # while the chunk is in cache
+
+    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        xp = backend.get_array_module(top[0].diff)
+        wg = self._grouped_weight()
+        want_w = self.param_propagate_down[0]
+        for t, down, b in zip(top, propagate_down, bottom):
+            dy = self._images(t.diff, self.num_output)
+            self._bias_gradient(dy)
+            if not (want_w or down):
+                continue
+            x = self._images(b.data, self.channels)
+            dx = self._images(b.diff, self.channels) if down else None
+            if self.plan:
+                self.plan.backward(dy, x, self.blobs[0].data,
+                                   self.blobs[0].diff if want_w else None, dx)
+                continue
+            dw = self.blobs[0].diff.reshape(wg.shape) if want_w else None
+            for s in self._chunks(xp, x.dtype.itemsize):
+                self._backward_chunk(wg, x[s], dy[s], dw, None if dx is None else dx[s])
+
 
 @register("Convolution", "CONVOLUTION")
 class ConvolutionLayer(_BaseConvolution):
@@ -265,47 +308,20 @@ class ConvolutionLayer(_BaseConvolution):
         else:
             y[...] = self._batch_major(xp.matmul(wg, col), n, y.shape[2:])
 
-    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+    def _forward_chunk(self, wg: Any, x: Any, y: Any) -> None:
         g = self.geometry
-        xp = backend.get_array_module(bottom[0].data)
-        wg = self._grouped_weight()
-        for b, t in zip(bottom, top):
-            x = self._images(b.data, self.channels)
-            y = self._images(t.data, self.num_output)
-            if self.plan:
-                self.plan.forward(x, self.blobs[0].data, y)
-                self._add_bias(y)
-                continue
-            for s in self._chunks(xp, x.dtype.itemsize):
-                col = K.im2col(x[s], g).reshape(self.group, g.col_rows // self.group, -1)
-                self._filter(wg, col, y[s])
-                self._add_bias(y[s])  # while the chunk is in cache
+        col = K.im2col(x, g).reshape(self.group, g.col_rows // self.group, -1)
+        self._filter(wg, col, y)
 
-    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
-                 bottom: Sequence[Blob]) -> None:
+    def _backward_chunk(self, wg: Any, x: Any, dy: Any, dw: Any | None, dx: Any | None) -> None:
         g = self.geometry
-        xp = backend.get_array_module(top[0].diff)
-        wg = self._grouped_weight()
-        want_w = self.param_propagate_down[0]
-        for t, down, b in zip(top, propagate_down, bottom):
-            dy = self._images(t.diff, self.num_output)
-            self._bias_gradient(dy)
-            if not (want_w or down):
-                continue
-            x = self._images(b.data, self.channels)
-            dx = self._images(b.diff, self.channels) if down else None
-            if self.plan:
-                self.plan.backward(dy, x, self.blobs[0].data,
-                                   self.blobs[0].diff if want_w else None, dx)
-                continue
-            dw = self.blobs[0].diff.reshape(wg.shape)
-            for s in self._chunks(xp, x.dtype.itemsize):
-                if want_w:
-                    col = K.im2col(x[s], g).reshape(self.group, g.col_rows // self.group, -1)
-                    self._weight_gradient(dy[s], col, dw)
-                if down:
-                    dcol = xp.matmul(wg.transpose(0, 2, 1), K.grid_operand(dy[s], g, self.group))
-                    K.col2im(dcol.reshape(g.col_rows, -1), g, s.stop - s.start, out=dx[s])
+        if dw is not None:
+            col = K.im2col(x, g).reshape(self.group, g.col_rows // self.group, -1)
+            self._weight_gradient(dy, col, dw)
+        if dx is not None:
+            xp = backend.get_array_module(dy)
+            dcol = xp.matmul(wg.transpose(0, 2, 1), K.grid_operand(dy, g, self.group))
+            K.col2im(dcol.reshape(g.col_rows, -1), g, dy.shape[0], out=dx)
 
 
 @register("Deconvolution", "DECONVOLUTION")
@@ -314,47 +330,20 @@ class DeconvolutionLayer(_BaseConvolution):
 
     transposed = True
 
-    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+    def _forward_chunk(self, wg: Any, x: Any, y: Any) -> None:
         g = self.geometry
-        xp = backend.get_array_module(bottom[0].data)
-        wg = self._grouped_weight()
-        for b, t in zip(bottom, top):
-            x = self._images(b.data, self.channels)
-            y = self._images(t.data, self.num_output)
-            if self.plan:
-                self.plan.forward(x, self.blobs[0].data, y)
-                self._add_bias(y)
-                continue
-            for s in self._chunks(xp, x.dtype.itemsize):
-                col = xp.matmul(wg.transpose(0, 2, 1), K.grid_operand(x[s], g, self.group))
-                K.col2im(col.reshape(g.col_rows, -1), g, s.stop - s.start, out=y[s])
-                self._add_bias(y[s])
+        xp = backend.get_array_module(x)
+        col = xp.matmul(wg.transpose(0, 2, 1), K.grid_operand(x, g, self.group))
+        K.col2im(col.reshape(g.col_rows, -1), g, x.shape[0], out=y)
 
-    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
-                 bottom: Sequence[Blob]) -> None:
+    def _backward_chunk(self, wg: Any, x: Any, dy: Any, dw: Any | None, dx: Any | None) -> None:
         g = self.geometry
-        xp = backend.get_array_module(top[0].diff)
-        wg = self._grouped_weight()
-        want_w = self.param_propagate_down[0]
-        for t, down, b in zip(top, propagate_down, bottom):
-            dy = self._images(t.diff, self.num_output)
-            self._bias_gradient(dy)
-            if not (want_w or down):
-                continue
-            x = self._images(b.data, self.channels)
-            dx = self._images(b.diff, self.channels) if down else None
-            if self.plan:
-                self.plan.backward(dy, x, self.blobs[0].data,
-                                   self.blobs[0].diff if want_w else None, dx)
-                continue
-            dw = self.blobs[0].diff.reshape(wg.shape)
-            for s in self._chunks(xp, x.dtype.itemsize):
-                col = K.im2col(dy[s], g).reshape(self.group, g.col_rows // self.group, -1)
-                if want_w:
-                    self._weight_gradient(x[s], col, dw)
-                if down:
-                    dx[s] = self._batch_major(xp.matmul(wg, col), s.stop - s.start,
-                                              (g.out_h, g.out_w))
+        col = K.im2col(dy, g).reshape(self.group, g.col_rows // self.group, -1)
+        if dw is not None:
+            self._weight_gradient(x, col, dw)
+        if dx is not None:
+            xp = backend.get_array_module(dy)
+            dx[...] = self._batch_major(xp.matmul(wg, col), dy.shape[0], (g.out_h, g.out_w))
 
 
 @register("Pooling", "POOLING")
