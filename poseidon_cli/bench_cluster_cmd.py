@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from .console import fail, user_errors
+from .plots import Curve, plot_speedup
 from .simulate_cmd import NO_MATPLOTLIB, parse_workers
 
 
@@ -93,8 +94,8 @@ def cluster(solver: str, workers: str, schemes: str, bandwidth: str, compute: st
                   **bench.summary(rows)}
         if json_path:
             Path(json_path).write_text(json.dumps(report, indent=1) + "\n")
-        if plot and not _plot(rows, plot, f"{Path(solver).parent.name}, {bandwidth}, "
-                                          f"compute {compute}"):
+        title = f"{Path(solver).parent.name}, {bandwidth}, compute {compute}"
+        if plot and not plot_speedup(_curves(rows), plot, title):
             click.echo(f"{NO_MATPLOTLIB}; {plot} was not written (the measurements above "
                        "stand)")
 
@@ -111,30 +112,12 @@ def namespaces_or_fail() -> None:
     cleanup_stale()
 
 
-def _plot(rows: list, path: str, title: str) -> bool:
-    """False (nothing written) where matplotlib is not installed."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    ps = sorted({r.workers for r in rows})
-    ax.plot(ps, ps, "k--", label="linear")
+def _curves(rows: list) -> list[Curve]:
+    """Each scheme's measured and predicted speedups, from the one-worker row up."""
     one = [r for r in rows if r.workers == 1]
+    curves = []
     for scheme in dict.fromkeys(r.scheme for r in rows if r.workers > 1):
         sel = one + [r for r in rows if r.scheme == scheme]
-        line, = ax.plot([r.workers for r in sel], [r.speedup for r in sel], marker="o",
-                        label=f"{scheme} measured")
-        ax.plot([r.workers for r in sel], [r.predicted_speedup for r in sel], ls=":",
-                color=line.get_color(), label=f"{scheme} predicted")
-    ax.set_xlabel("workers")
-    ax.set_ylabel("speedup")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+        curves.append(Curve(scheme, [r.workers for r in sel], [r.speedup for r in sel],
+                            [r.predicted_speedup for r in sel]))
+    return curves

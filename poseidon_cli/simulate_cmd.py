@@ -19,6 +19,7 @@ import click
 from engine.comm.schemes import NETWORK_SCHEMES
 
 from .console import fail, user_errors
+from .plots import Curve, plot_speedup
 
 
 def parse_workers(text: str) -> list[int]:
@@ -51,32 +52,6 @@ def parse_shape(text: str | None) -> list[int] | None:
 #: said instead of a plot where matplotlib is missing (the checkout's extra: PyPI's
 #: `poseidon` is another project)
 NO_MATPLOTLIB = "--plot needs matplotlib: pip install -e '.[plot]' in the checkout"
-
-
-def plot_speedup(predictions: Sequence, path: str, title: str) -> bool:
-    """Speedup against workers, one line per scheme, and linear scaling for reference; False
-    (nothing written) where matplotlib is not installed."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    workers = sorted({p.workers for p in predictions})
-    ax.plot(workers, workers, "k--", label="linear")
-    for scheme in dict.fromkeys(p.scheme for p in predictions):
-        rows = [p for p in predictions if p.scheme == scheme]
-        ax.plot([p.workers for p in rows], [p.speedup for p in rows], marker="o", label=scheme)
-    ax.set_xlabel("workers")
-    ax.set_ylabel("speedup (images/s over one worker)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
 
 
 @click.command("simulate")
@@ -191,7 +166,11 @@ def simulate(model: str, trace_path: str | None, estimate: bool, batch: int | No
             "communication as measured in the trace" if measured_comm else
             f"{link.bits_per_s / 1e9:g} Gbit/s, alpha {link.alpha_s * 1e6:g} us")
                  + (f", {slots} workers per machine" if slots > 1 else ""))
-        plotted = bool(plot) and plot_speedup(predictions, plot, title)
+        plotted = bool(plot) and plot_speedup(
+            [Curve(scheme, [p.workers for p in predictions if p.scheme == scheme],
+                   [p.speedup for p in predictions if p.scheme == scheme])
+             for scheme in dict.fromkeys(p.scheme for p in predictions)],
+            plot, title, "speedup (images/s over one worker)")
     report = {"net": info.name, "batch": info.batch, "params": info.total_params,
               "trace": {"source": trace.source, "device": trace.device},
               "link": link.as_dict(), "predictions": [
