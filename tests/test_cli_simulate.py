@@ -163,3 +163,17 @@ def test_measured_communication_from_a_trace(tmp_path):
     bad = run("simulate", "--model", net, "--trace", str(path), "--measured-comm")
     lines = bad.stderr.strip().splitlines()
     assert bad.returncode == 1 and len(lines) == 1 and "'workers' must say how many" in lines[0]
+
+
+def test_bench_clusters_curves_start_at_one_worker_and_pair_measured_with_predicted():
+    from types import SimpleNamespace as Row
+
+    from poseidon_cli.bench_cluster_cmd import _curves
+    rows = [Row(workers=1, scheme="-", speedup=1.0, predicted_speedup=1.0),
+            Row(workers=2, scheme="ps", speedup=1.8, predicted_speedup=1.9),
+            Row(workers=2, scheme="ring", speedup=1.7, predicted_speedup=1.75),
+            Row(workers=4, scheme="ps", speedup=3.1, predicted_speedup=3.3)]
+    ps, ring = _curves(rows)
+    assert (ps.label, list(ps.workers), list(ps.speedup), list(ps.predicted)) == (
+        "ps", [1, 2, 4], [1.0, 1.8, 3.1], [1.0, 1.9, 3.3])
+    assert (ring.label, list(ring.workers), list(ring.predicted)) == ("ring", [1, 2], [1.0, 1.75])
