@@ -173,9 +173,7 @@ def simulate(model: str, trace_path: str | None, estimate: bool, batch: int | No
             plot, title, "speedup (images/s over one worker)")
     report = {"net": info.name, "batch": info.batch, "params": info.total_params,
               "trace": {"source": trace.source, "device": trace.device},
-              "link": link.as_dict(), "predictions": [
-                  {k: v for k, v in p.as_dict().items() if k not in ("layers", "link_use")}
-                  for p in predictions]}
+              "link": link.as_dict(), "predictions": [p.summary() for p in predictions]}
     check = _against_measured(predictions, trace) if measured_comm else None
     if check:
         report["measured"] = check

@@ -35,7 +35,7 @@ measured ``comm_ms``) this is DESIGN.md's recurrence of one FIFO, with no link m
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -91,8 +91,11 @@ class Prediction:
     #: every span of every simulated iteration, in the order the link sides were taken
     link_use: list[LinkUse] = field(default_factory=list)
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def summary(self) -> dict[str, Any]:
+        """The scalar fields (not the per-layer timings and link spans: a deep copy of those
+        took seconds for GoogLeNet's 16 worker counts)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("layers", "link_use")}
 
 
 def _chunk_bytes_by_layer(params: Sequence[LayerInfo], p: int, chunk_bytes: int
