@@ -43,10 +43,18 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
         glog.add_file(str(Path(config.log_dir) / f"rank{rank}.log"))
     glog.set_enabled(rank == 0)  # the others show only their warnings and errors (as Caffe)
     here = local_addresses()
-    train_process(config, RunContext(rank=rank, world_size=len(entries)), gpu,
-                  attach=lambda solver: communicator(config, entries, rank, gpu, key, solver),
-                  # rank 0 merges the timeline parts of the worker and shard of each entry here
-                  timeline_parts=2 * sum(is_local(e, here) for e in entries))
+    # The shard process does its imports while this one builds the net: started only when the
+    # endpoint opens, a shard on a busy machine could miss a short --timeout's start-up barrier
+    shards = ShardStarter()
+    shards.prepare()
+    try:
+        train_process(config, RunContext(rank=rank, world_size=len(entries)), gpu,
+                      attach=lambda solver: communicator(config, entries, rank, gpu, key, solver,
+                                                         shards=shards),
+                      # rank 0 merges the timeline parts of the worker and shard of each entry
+                      timeline_parts=2 * sum(is_local(e, here) for e in entries))
+    finally:
+        shards.close()  # one started ahead and never used (the net failed to build)
 
 
 @contextlib.contextmanager
