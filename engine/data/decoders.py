@@ -11,11 +11,10 @@ Threads, not processes, measured on this project's 2-core VM (256x256 JPEG recor
 128, crop 227, mirror, mean values): Pillow's JPEG decoder and NumPy's arithmetic run with the
 GIL released, and once the pixels are decoded straight into NumPy memory
 (engine.data.datum) what holds the GIL is a few tens of microseconds of Python an image
-against some 600 of decoding. Two decoding threads then kept both cores busy (1.9-1.96 CPUs)
-and ran 1.75-1.8x one where the transform wrote to cache-resident memory; writing the real
-79 MB batch, the memory traffic, not the GIL, holds them to about 1.4x (README, "Feeding the
-workers"). Processes would meet the same memory and add a copy of every batch (or shared
-memory), their own start-up with NumPy and Pillow imported, and care on every exit path.
+against some 600 of decoding. Two decoding threads then keep both cores busy and run 1.87x
+one on JPEG records (`poseidon bench data`, steady state: README, "Feeding the workers").
+Processes would add a copy of every batch (or shared memory), their own start-up with NumPy
+and Pillow imported, and care on every exit path.
 
 ``DecoderPool(0)`` runs every job at once in the calling thread: one decoder, no hand-over.
 """

@@ -125,8 +125,9 @@ class StreamDataLayer(Layer):
     def _init_decoders(self, decodes: bool = True) -> None:
         """The decoding threads, as many as data_param.decoders says; by default
         default_decoders() when the records are images to decode, one when they are raw
-        pixels (their transform is bound by memory traffic: on the 2-core VM two threads
-        took 31.6 ms a batch where one took 27.7, ``poseidon bench data``)."""
+        pixels: a thread mostly copies them, and a training worker's cores have its net to run
+        (a data-only net ran 1.74x faster with two on the 2-core VM, ``poseidon bench data``;
+        ``decoders`` sets it where the data path holds a run back)."""
         n = int(self.param.data_param.decoders) or (default_decoders() if decodes else 1)
         self.decoders = n
         # one decoder runs the jobs in the prefetch thread itself: no hand-over
