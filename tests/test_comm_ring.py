@@ -41,9 +41,10 @@ def run(world: int, comm: str, rounds: int = 2, chunk_bytes: int = 64, fusion_by
         hosts=None, factors: dict | None = None, levels: bool = True) -> dict:
     """Train ``rounds`` rounds of synthetic gradients; per rank: every layer's mean gradient
     per round as the update saw it (absent: skipped), the byte counters, the units, the
-    codec and the agreed plan. ``plan``: more of make_plan's arguments (the sparse codec's); ``hosts``: a host
-    table (default: ``world`` machines of one worker on loopback); ``factors``: layer ->
-    (K, M, N) for layers whose gradient is uᵀ·v of the generator's factors (SFB)."""
+    codec and the agreed plan. ``plan``: more of make_plan's arguments (the sparse codec's);
+    ``hosts``: a host table (default: ``world`` machines of one worker on loopback);
+    ``factors``: layer -> (K, M, N) for layers whose gradient is uᵀ·v of the generator's
+    factors (SFB)."""
     hosts = hosts or local_hosts(world)
     factors = factors or {}
     shards = comm in ("ps", "auto", "hybrid", "sfb")

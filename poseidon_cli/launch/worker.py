@@ -59,20 +59,21 @@ def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int 
 
 @contextlib.contextmanager
 def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int | None,
-                 key: bytes, solver: Any, exit_grace: float | None = EXIT_GRACE_S,
+                 key: bytes, solver: Any, *, shards: ShardStarter,
+                 exit_grace: float | None = EXIT_GRACE_S,
                  on_endpoint: Callable[[Any], None] | None = None,
-                 wrap_sync: Callable[[Any, Any], Any] | None = None,
-                 shards: ShardStarter | None = None) -> Iterator[None]:
+                 wrap_sync: Callable[[Any, Any], Any] | None = None) -> Iterator[None]:
     """A worker's side of the job around its training: its PS shard (a child process), its
     endpoint, the start-up barrier and the plan, the syncer attached to ``solver``; on the way
     out, the last updates, the replica check and BYE, the shard's end and the counters.
+    ``shards`` holds the shard process started ahead (at the worker's start, or an elastic
+    member's once per generation), which gets its settings here.
 
     An elastic generation plugs in: ``exit_grace`` None (a failure must not end the process:
     it goes on to the next generation), ``on_endpoint(ep)`` once the endpoint is open (the
     driver can fail it from then on), ``wrap_sync(ep, syncer)`` after the start-up barrier:
     what to attach instead of the syncer (its boundaries), and its plan is never refused: a
-    --plan that does not fit this generation's workers is replaced, saying why; ``shards``
-    starts each generation's shard ahead of time."""
+    --plan that does not fit this generation's workers is replaced, saying why."""
     from engine import glog
     from engine.comm.bind import describe_net
     from engine.comm.link import LinkError, parse_link
@@ -137,7 +138,7 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
         return plan
 
     max_frame = frame_limit(slots, world, config.chunk_bytes)
-    shard = (shards or ShardStarter()).start(
+    shard = shards.start(
         ShardSettings(rank, config.timeout, max_frame, config.shard_threads, config.timeline),
         key, entries)
     shard_errors: list[str] = []
