@@ -10,7 +10,7 @@ import click
 from .console import fail, user_errors
 
 # SIGNAL_ACTIONS: Caffe's -sigint_effect / -sighup_effect values
-from .launch.config import SIGNAL_ACTIONS, JobConfig, cli_options
+from .launch.config import SIGNAL_ACTIONS, JobConfig, check_engines, cli_options
 from .launch.elastic.start import elastic_options, take_options
 from .warmup_cmd import echo as warmup_echo
 from .warmup_cmd import warm_kernels
@@ -166,6 +166,8 @@ def train(solver: str, weights: str | None, gpu: str | None, pin: str | None, ho
                            weights=tuple(weight_files),
                            gpus=tuple(gpus) if gpus is not None else None,
                            pin_gpus=pinned is not None, signal_effects=effects, **options)
+        if distributed:
+            check_engines(config, elastic is not None, gpus is not None)
         if gpus is None and config.replay is None and rank is None and managed is None:
             # compiled here, once, not by each local worker in its first iterations
             warm_kernels(["float32"], warmup_echo, force=False)

@@ -73,7 +73,7 @@ def run(world: int, comm: str, rounds: int = 2, chunk_bytes: int = 64, fusion_by
 
             ep = open_worker(rank, hosts, key=KEY, timeout=LIVENESS_S, shards=shards)
             sync = Syncer(ep, slots, update, chunk_bytes=chunk_bytes, levels=levels,
-                          planner=lambda link, local_link: make_plan(
+                          planner=lambda link, local_link, engines: make_plan(
                               infos, world, PlanOptions(
                                   comm=comm, link=link, chunk_bytes=chunk_bytes, codec=wire,
                                   fusion_bytes=fusion_bytes, **(plan or {}))))

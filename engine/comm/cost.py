@@ -126,7 +126,7 @@ def level_timing(cls: Any, info: LayerInfo, world: int, slots: int, link: Any, l
     """The cost of one layer by the scheme class ``cls`` on ``world`` workers, ``slots`` per machine: flat when
     one per machine; else, for a dense scheme, the local reduce-scatter and all-gather over
     ``local_link`` around the network scheme on 1/slots of the layer among the machines."""
-    if slots <= 1 or world <= slots:
+    if slots <= 1 or world <= slots or not cls.leveled:
         return cls.timing(info, world, link, device, chunk_bytes, wire_itemsize)
     machines = world // slots
     if not cls.dense:

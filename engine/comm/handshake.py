@@ -1,12 +1,17 @@
 """The start-up handshake of a worker's syncer: who agrees on what before the first gradient.
 
 1. HELLO: every worker and shard says it is up, with the digest of its net's synchronised
-   layers and settings (``config_digest``); a worker of another configuration is named.
-2. PLAN: rank 0 probes the links (unless one was given), makes the plan (its planner, or a
+   layers and settings (``config_digest``); a worker of another configuration is named. A
+   worker also says which collective engines it can run, and in which version.
+2. ENGINE: rank 0 chooses the engines every worker can run (of those the job allows), makes
+   each one's rendezvous and sends it; every worker joins them and probes them at once
+   (``join_engines``, engine/comm/schemes/collective.py). Rank 0 always sends it (maybe
+   empty), and every worker waits for it.
+3. PLAN: rank 0 probes the links (unless one was given), makes the plan (its planner, or a
    pinned one) and sends it to every worker; the others wait for it. Every worker follows
    rank 0's plan, so all agree even where their own measurements would differ.
-3. Each worker checks that the plan fits its own net (``units_of``): its units and codec.
-4. LAYOUT and READY: rank 0 sends the PS chunk table to the shards; every worker sends the
+4. Each worker checks that the plan fits its own net (``units_of``): its units and codec.
+5. LAYOUT and READY: rank 0 sends the PS chunk table to the shards; every worker sends the
    digest of the plan and table it installed, and a worker that installed another is named.
 
 Every wait is bounded by the endpoint's timeout, and its error names who did not come.
@@ -15,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, NoReturn
+from typing import Any, Callable, Collection, Mapping, NoReturn, Sequence
 
 from engine.pb import poseidon_pb2 as pb
 
@@ -25,6 +30,7 @@ from .link import Link
 from .planner import DEFAULT_LINK, Plan
 from .probe import probe_link
 from .schemes import SCHEMES
+from .schemes.collective import Collective, EngineCost, EngineError, probe as probe_engine
 from .schemes.ps import layout_digest
 from .topology import Topology
 from .transport import SHARD, WORKER, Endpoint, header, message_key
@@ -56,16 +62,119 @@ def config_digest(slots: Mapping[int, LayerSlot], chunk_bytes: int) -> bytes:
     return h.digest()
 
 
-def hello(ep: Endpoint, layers: Mapping[int, LayerSlot], chunk_bytes: int, fail: Fail) -> None:
+def offers(names: Sequence[str], on_gpu: bool) -> list[pb.EngineSpec]:
+    """What this worker says in HELLO of the engines ``names``: its version of each, or why
+    it cannot run it."""
+    out = []
+    for name in names:
+        backend = SCHEMES[name].backend  # type: ignore[attr-defined]
+        why = backend.missing(on_gpu)
+        out.append(pb.EngineSpec(name=name, version="" if why else backend.version(),
+                                 missing=why))
+    return out
+
+
+def hello(ep: Endpoint, layers: Mapping[int, LayerSlot], chunk_bytes: int, fail: Fail,
+          engines: Sequence[pb.EngineSpec] = ()) -> dict[int, list[pb.EngineSpec]]:
     """Say HELLO to every peer and wait for every worker's; one of another configuration (hosts
-    file, net or chunk size) fails the job, named."""
+    file, net or chunk size) fails the job, named. Every worker's engine offers (``offers``),
+    by rank, this one's included."""
     world = len(ep.hosts)
     digest = config_digest(layers, chunk_bytes)
-    ep.broadcast(ep.peers, header(pb.HELLO, layout_digest=digest, world_size=world))
+    ep.broadcast(ep.peers, header(pb.HELLO, layout_digest=digest, world_size=world,
+                                  engines=list(engines)))
+    offered = {ep.me[1]: list(engines)}
     for m in ep.wait_for([message_key(pb.HELLO, w) for w in workers(ep)], "start-up HELLO"):
         if m.header.world_size != world or m.header.layout_digest != digest:
             fail(f"{ep.name_of(m.sender)} runs a different configuration "
                  "(hosts file, net or --chunk-bytes differ)")
+        offered[m.sender[1]] = list(m.header.engines)
+    return offered
+
+
+@dataclass
+class Engines:
+    """The collective engines this worker joined, and how the planner prices them."""
+    joined: dict[str, Collective]
+    costs: tuple[EngineCost, ...]
+    #: rank 0's: what the rendezvous needs kept alive while the job runs (a store's server)
+    keep: list[Any]
+    #: rank 0's: the engines the job allowed but not every worker could run, and why
+    dropped: list[str]
+
+    def close(self, keep_only: Collection[str] = (), clean: bool = True) -> None:
+        """Leave every engine but ``keep_only`` (not ``clean``: the job failed, and an
+        engine's collective may never complete)."""
+        for name in [n for n in self.joined if n not in keep_only]:
+            self.joined.pop(name).close(clean)
+        if not self.joined:
+            self.keep.clear()
+
+
+def join_engines(ep: Endpoint, wanted: Sequence[str], required: Sequence[str],
+                 offered: Mapping[int, Sequence[pb.EngineSpec]], fail: Fail) -> Engines:
+    """Rank 0 chooses, of the engines ``wanted``, those every worker offers in its own
+    version (one of ``required`` that a worker lacks fails the job, naming it; another is
+    dropped, saying why) and sends ENGINE with each one's rendezvous; then every worker joins
+    each engine and all probe them at once."""
+    rank, world = ep.me[1], len(ep.hosts)
+    keep: list[Any] = []
+    dropped: list[str] = []
+    if rank == 0:
+        mine = {s.name: s for s in offered[0]}
+        specs = []
+        for name in wanted:
+            own = mine.get(name)
+            lacking = None
+            for r in range(world):
+                spec = {s.name: s for s in offered.get(r, ())}.get(name)
+                who = ep.name_of((WORKER, r))
+                if spec is None:
+                    lacking = f"{who} does not offer it (run every worker with the same --comm)"
+                elif spec.missing:
+                    lacking = f"{who} cannot run it: {spec.missing}"
+                elif own is not None and not own.missing and spec.version != own.version:
+                    lacking = (f"{who} has {spec.version}, {ep.name_of((WORKER, 0))} "
+                               f"{own.version}: every worker needs the same version")
+                if lacking:
+                    break
+            if lacking:
+                if name in required:
+                    fail(f"--comm {name}: {lacking}")
+                dropped.append(f"{name}: {lacking}")
+                continue
+            backend = SCHEMES[name].backend  # type: ignore[attr-defined]
+            try:
+                setup, kept = backend.setup(ep.hosts[0].host, world, ep.timeout)
+            except Exception as e:
+                fail(f"{ep.name}: cannot make {name}'s rendezvous: {e}")
+            keep.append(kept)
+            specs.append(pb.EngineSpec(name=name, version=own.version,
+                                       algorithm=backend.algorithm(), setup=setup))
+        ep.broadcast(workers(ep), header(pb.ENGINE, engines=specs))
+    else:
+        [m] = ep.wait_for([message_key(pb.ENGINE, (WORKER, 0))], "the collective engines")
+        specs = list(m.header.engines)
+        mine = {s.name: s for s in offered[rank]}
+        for spec in specs:
+            own = mine.get(spec.name)
+            if own is None or own.missing or own.version != spec.version:
+                fail(f"{ep.name} cannot join {spec.name} {spec.version}: "
+                     f"{own.missing or own.version if own else 'it was not offered'}")
+    joined: dict[str, Collective] = {}
+    costs = []
+    try:
+        for spec in specs:
+            backend = SCHEMES[spec.name].backend  # type: ignore[attr-defined]
+            c = joined[spec.name] = Collective(
+                backend, spec.setup, rank, world, ep.hosts[rank].host, ep.timeout,
+                lambda why: ep.fatal(f"{ep.name}: {why}"))
+            costs.append(EngineCost(spec.name, spec.version, spec.algorithm, probe_engine(c)))
+    except EngineError as e:
+        for c in joined.values():
+            c.close(clean=False)
+        fail(f"{ep.name}: {e}")
+    return Engines(joined, tuple(costs), keep, dropped)
 
 
 def probe(ep: Endpoint, link: Link | None) -> tuple[Link, Link | None]:
@@ -82,16 +191,22 @@ def probe(ep: Endpoint, link: Link | None) -> tuple[Link, Link | None]:
     return link, local
 
 
-def agree_plan(ep: Endpoint, planner: Callable[[Link, Link | None], Plan] | None,
-               link: Link | None, on_plan: Callable[[Plan], None] | None = None) -> pb.Plan:
-    """Rank 0 plans (``planner`` on the probed or given links) and sends the plan to every
-    worker; the others receive it."""
+#: rank 0's planner: (the network link, the link inside a machine or None, the engines every
+#: worker joined) -> the plan
+Planner = Callable[[Link, "Link | None", tuple[EngineCost, ...]], Plan]
+
+
+def agree_plan(ep: Endpoint, planner: Planner | None, link: Link | None,
+               on_plan: Callable[[Plan], None] | None = None,
+               engines: tuple[EngineCost, ...] = ()) -> pb.Plan:
+    """Rank 0 plans (``planner`` on the probed or given links and the engines' probes) and
+    sends the plan to every worker; the others receive it."""
     if ep.me[1] != 0:
         [m] = ep.wait_for([message_key(pb.PLAN, (WORKER, 0))], "the communication plan")
         return m.header.plan
     if planner is None:
         raise CommError("rank 0 needs a planner")
-    plan = planner(*probe(ep, link))
+    plan = planner(*probe(ep, link), engines)
     if on_plan is not None:
         on_plan(plan)
     made = plan.to_pb()
@@ -99,9 +214,10 @@ def agree_plan(ep: Endpoint, planner: Callable[[Link, Link | None], Plan] | None
     return made
 
 
-def units_of(plan: pb.Plan, layers: dict[int, LayerSlot], me: str, fail: Fail) -> Installed:
+def units_of(plan: pb.Plan, layers: dict[int, LayerSlot], me: str, fail: Fail,
+             engines: Sequence[str] = ()) -> Installed:
     """The codec and units ``plan`` (rank 0's) gives this worker's ``layers``: every layer in
-    exactly one unit of a scheme that can synchronise it."""
+    exactly one unit of a scheme that can synchronise it (an engine's: one it joined)."""
     def unfit(why: str) -> NoReturn:
         fail(f"the plan of worker 0 does not fit {me}'s net: {why}")
 
@@ -114,6 +230,8 @@ def units_of(plan: pb.Plan, layers: dict[int, LayerSlot], me: str, fail: Fail) -
         scheme = SCHEMES.get(up.scheme)
         if scheme is None or not up.layers:
             unfit(f"unknown scheme {up.scheme!r} or an empty unit")
+        if scheme.engine and up.scheme not in engines:
+            unfit(f"it sums on {up.scheme}, which this worker did not join")
         missing = [layer for layer in up.layers if layer not in layers or layer in seen]
         if missing:
             unfit(f"layer {missing[0]} is not a synchronised layer, or twice in the plan")

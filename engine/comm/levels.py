@@ -36,7 +36,7 @@ RS, AG = 0, 1
 
 def compose(cls: type[Scheme], host: Any, units: Sequence[Unit], chunk_bytes: int) -> Scheme:
     """A dense scheme in two levels when the run has them, else the scheme itself."""
-    if host.topology.two_level and cls.dense:
+    if host.topology.two_level and cls.dense and cls.leveled:
         return Levels(host, units, chunk_bytes, cls)
     return cls(host, units, chunk_bytes)
 

@@ -38,6 +38,7 @@ from .cost import (
 from .fusion import buckets
 from .link import Link
 from .schemes import SCHEMES
+from .schemes.collective import EngineCost
 from .schemes.ps import DEFAULT_CHUNK_BYTES
 
 #: what --comm takes: the planner's two modes, then every registered scheme
@@ -97,22 +98,28 @@ def plan_layers(layers: Sequence[LayerInfo], p1: int, comm: str = "auto",
                 allow_sfb: bool = True, link: Link | None = None, device: Device | None = None,
                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, wire_itemsize: int = 4,
                 slots: int = 1, local_link: Link | None = None,
-                machines: int | None = None, fusion: bool = False) -> list[LayerPlan]:
+                machines: int | None = None, fusion: bool = False,
+                engines: Sequence[EngineCost] = ()) -> list[LayerPlan]:
     """One plan per layer. ``comm`` (MODE[,LAYER=SCHEME...]) forces a scheme where the layer
     allows it. ``slots`` workers per machine: dense schemes are priced in two levels, the
     machine's own ``local_link`` around the network's ``link``. ``machines``: how many
     machines the workers are on (default: p1 / slots); one-machine schemes need 1.
-    ``fusion``: auto prices fusion in (``_unify_runs``, ``_join_buckets``)."""
+    ``fusion``: auto prices fusion in (``_unify_runs``, ``_join_buckets``). ``engines``: the
+    collective engines every worker joined, priced by their probes; no other engine runs."""
     comm, overrides = split_comm(comm)
     unknown = set(overrides) - {info.name for info in layers}
     if unknown:
         raise ValueError(f"--comm: no layer with parameters named {', '.join(sorted(unknown))}")
     machines = machines if machines is not None else max(1, p1 // max(slots, 1))
+    joined = {e.name: e.link for e in engines}
     runnable = {name for name, scheme in SCHEMES.items()
-                if scheme.available() and (not scheme.one_machine or (machines == 1 and p1 > 1))}
+                if (name in joined if scheme.engine else scheme.available())
+                and (not scheme.one_machine or (machines == 1 and p1 > 1))}
     for name in {comm, *overrides.values()} & (set(SCHEMES) - runnable):
-        raise ValueError(f"--comm {name}: it synchronises the workers of one machine, and these "
-                         f"{p1} workers are on {machines} machines" if SCHEMES[name].available()
+        scheme = SCHEMES[name]
+        raise ValueError(f"--comm {name}: the workers did not join it" if scheme.engine else
+                         f"--comm {name}: it synchronises the workers of one machine, and these "
+                         f"{p1} workers are on {machines} machines" if scheme.available()
                          else f"--comm {name}: this machine cannot run it")
     link = link or DEFAULT_LINK
     local_link = local_link or DEFAULT_LOCAL_LINK
@@ -128,11 +135,15 @@ def plan_layers(layers: Sequence[LayerInfo], p1: int, comm: str = "auto",
             if name not in runnable or not scheme.applies(info) or (name == "sfb" and not allow_sfb):
                 continue
             itemsize = wire_itemsize if scheme.dense else info.itemsize
-            timings[name] = level_timing(scheme, info, p1, slots, link, local_link, device,
+            net = joined.get(name, link)  # an engine on its probed link, flat
+            timings[name] = level_timing(scheme, info, p1, slots, net, local_link, device,
                                          chunk_bytes, itemsize)
             if scheme.dense:
+                bare = Link(0.0, net.beta_s_per_byte, net.source) if scheme.engine \
+                    else no_latency[0]
                 marginal[(info.layer, name)] = level_timing(
-                    scheme, info, p1, slots, *no_latency, device, chunk_bytes, itemsize).total_s
+                    scheme, info, p1, slots, bare, no_latency[1], device, chunk_bytes,
+                    itemsize).total_s
         if info.name in overrides:
             scheme = overrides[info.name]
             if scheme not in timings:
@@ -242,6 +253,14 @@ class Plan:
     nonce: bytes = field(default_factory=lambda: os.urandom(16))
     #: the --comm it was made with
     comm: str = "auto"
+    #: the collective engines the workers joined (those its units use are recorded)
+    engines: tuple[EngineCost, ...] = ()
+
+    @property
+    def used_engines(self) -> list[EngineCost]:
+        """The engines some unit sums on."""
+        used = {s for _, s in self.units}
+        return [e for e in self.engines if e.name in used]
 
     @property
     def world(self) -> int:
@@ -255,7 +274,7 @@ class Plan:
                        codec=self.codec, sparse_ratio=self.sparse_ratio,
                        sparse_warmup=self.sparse_warmup, sparse_momentum=self.sparse_momentum,
                        nonce=self.nonce, world_size=self.world, slots=self.slots,
-                       comm=self.comm)
+                       comm=self.comm, engines=[e.to_pb() for e in self.used_engines])
 
     def why(self) -> str:
         """How the plan was chosen, for the log's one line."""
@@ -289,6 +308,11 @@ class PlanMismatch(ValueError):
     """A recorded plan that does not fit this run: other workers, machines, wire or net."""
 
 
+class EngineMismatch(ValueError):
+    """A recorded plan that sums on a collective engine this run has in another version (or
+    not at all): refused, also on a resume, since the engine decides the order of the sums."""
+
+
 @dataclass(frozen=True)
 class PlanOptions:
     """How rank 0 plans: what the job asks (``comm``: MODE[,LAYER=SCHEME...], the wire codec,
@@ -315,6 +339,14 @@ class PlanOptions:
     #: (default: workers / slots; one-machine schemes need 1)
     slots: int = 1
     machines: int | None = None
+    #: the collective engines every worker joined, each priced by its start-up probe
+    engines: tuple[EngineCost, ...] = ()
+    #: this run may sum on these engines (--comm names one, or --trusted-network); a recorded
+    #: plan that uses another is not followed
+    trusted_engines: tuple[str, ...] = ()
+    #: this run's version of each engine it may use, where it has one (a recorded plan made
+    #: on another is refused)
+    engine_versions: tuple[tuple[str, str], ...] = ()
 
     @property
     def wire_itemsize(self) -> int:
@@ -327,12 +359,12 @@ class PlanOptions:
                            link=self.link, device=self.device, chunk_bytes=self.chunk_bytes,
                            wire_itemsize=self.wire_itemsize, slots=self.slots,
                            local_link=self.local_link, machines=self.machines,
-                           fusion=self.fusion_bytes > 0)
+                           fusion=self.fusion_bytes > 0, engines=self.engines)
 
     def plan(self, plans: list[LayerPlan], units: list[tuple[list[int], str]],
              comm: str) -> Plan:
         return Plan(plans, units, self.link, self.codec, *self.sparse, self.slots,
-                    self.local_link, comm=comm)
+                    self.local_link, comm=comm, engines=self.engines)
 
 
 def make_plan(layers: Sequence[LayerInfo], world: int,
@@ -376,8 +408,10 @@ def pin_plan(recorded: pb.Plan, layers: Sequence[LayerInfo], world: int,
     missing = [i.name for i in layers if i.name not in given]
     if missing:
         raise PlanMismatch(f"it gives no scheme to {', '.join(missing)}")
+    engines = recorded_engines(recorded, options)
     priced = replace(options, link=Link(recorded.alpha_s, recorded.beta_s_per_byte,
-                                        "the link the plan was made for"), fusion_bytes=0)
+                                        "the link the plan was made for"), fusion_bytes=0,
+                     engines=engines)
     comm = ",".join(["auto", *(f"{n}={s}" for n, s in given.items())])
     try:
         plans = priced.layers(layers, world, comm)
@@ -387,6 +421,30 @@ def pin_plan(recorded: pb.Plan, layers: Sequence[LayerInfo], world: int,
         p.reason = "pinned"
     return priced.plan(plans, [(list(u.layers), u.scheme) for u in recorded.units],
                        recorded.comm or "auto")
+
+
+def recorded_engines(recorded: pb.Plan, options: PlanOptions) -> tuple[EngineCost, ...]:
+    """The engines a recorded plan sums on, as it recorded them (its probes price them).
+    PlanMismatch where this run does not allow one; EngineMismatch where this run has
+    another version of one, or none."""
+    used = {u.scheme for u in recorded.units if u.scheme in SCHEMES and SCHEMES[u.scheme].engine}
+    specs = {e.name: e for e in recorded.engines}
+    versions = dict(options.engine_versions)
+    out = []
+    for name in sorted(used):
+        spec = specs.get(name)
+        if spec is None:
+            raise PlanMismatch(f"it sums on {name} but does not record which {name}")
+        if name not in options.trusted_engines:
+            raise PlanMismatch(f"it sums on {name}, which authenticates nothing, and this run "
+                               f"does not allow it (give --comm {name} or --trusted-network)")
+        mine = versions.get(name, "")
+        if mine != spec.version:
+            here = f"this run has {mine}" if mine else f"this run cannot run {name}"
+            raise EngineMismatch(f"it sums on {name} {spec.version} ({spec.algorithm}), {here}: "
+                                 "another version may sum in another order")
+        out.append(EngineCost.from_pb(spec, f"{name} as the plan recorded it"))
+    return tuple(out)
 
 
 def plan_table(plan: Plan | Sequence[LayerPlan], p1: int) -> str:
@@ -401,14 +459,15 @@ def plan_table(plan: Plan | Sequence[LayerPlan], p1: int) -> str:
         head += (f"; link alpha {plan.link.alpha_s * 1e6:.1f} us, "
                  f"{plan.link.bits_per_s / 1e9:.2f} Gbit/s ({plan.link.source}); "
                  f"wire {plan.wire()}")
+    shown = [s for s in SCHEMES if any(s in p.timings for p in plans)]
     rows = [head, "(bytes sent+received per node per iteration; time: release to applied, "
             "alone on the link)",
             f"{'layer':<16} {'shape':<24} {'scheme':<6} {'bytes/iter':>12} {'time':>9} "
-            + " ".join(f"{name:>9}" for name in SCHEMES)]
+            + " ".join(f"{name:>9}" for name in shown)]
     total_b = total_t = 0.0
     for p in plans:
         shape = " + ".join("x".join(str(d) for d in s) for s in p.info.shapes)
-        times = [_ms(p.timings[s].total_s) if s in p.timings else "-" for s in SCHEMES]
+        times = [_ms(p.timings[s].total_s) if s in p.timings else "-" for s in shown]
         rows.append(f"{p.info.name:<16} {shape:<24} {p.scheme:<6} {_mb(p.bytes_per_node):>12} "
                     f"{_ms(p.predicted_s):>9} " + " ".join(f"{t:>9}" for t in times))
         total_b += p.bytes_per_node

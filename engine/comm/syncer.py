@@ -106,13 +106,17 @@ class Syncer:
 
     def __init__(self, ep: Endpoint, layers: dict[int, LayerSlot],
                  update_layer: Callable[[int], None], *,
-                 planner: Callable[[Link, Link | None], Plan] | None = None,
+                 planner: handshake.Planner | None = None,
                  link: Link | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, priority: bool = True,
                  on_round_done: Callable[[int], None] | None = None,
-                 on_plan: Callable[[Plan], None] | None = None, levels: bool = True) -> None:
+                 on_plan: Callable[[Plan], None] | None = None, levels: bool = True,
+                 engines: Sequence[str] = (), required_engines: Sequence[str] = (),
+                 on_gpu: bool = False) -> None:
         """``levels``: reduce inside each machine first when machines run several workers
-        (False: every worker a node of its own, as a flat run)."""
+        (False: every worker a node of its own, as a flat run). ``engines``: the collective
+        engines the job allows (rank 0 joins those every worker can run; those of
+        ``required_engines`` it must); ``on_gpu``: the gradients are on a GPU."""
         self.ep = ep
         self.rank = ep.me[1]
         self.world = len(ep.hosts)
@@ -131,10 +135,17 @@ class Syncer:
         self._link = link
         self._on_plan = on_plan
         self._schemes: dict[str, Scheme] = {}
+        self._engine_names = tuple(engines)
+        self._required_engines = tuple(required_engines)
+        self._on_gpu = on_gpu
+        self.engines: handshake.Engines | None = None
         #: wire tag (Header.scheme) -> the scheme instance that checks and takes it
         self._receivers: dict[str, Scheme] = {}
         self._unit_of: dict[int, Unit] = {}
         self._last_layer = min(layers) if layers else -1  # released last in a backward
+        #: the unit released last in a backward carries every signal of its round (its id is
+        #: its lowest layer)
+        self.signal_unit = self._last_layer
         #: signal bits (SNAPSHOT | STOP) for the messages of the next round this worker sends
         self._request_out = 0
         #: round -> OR of the signal bits in that round's messages, identical on every worker
@@ -176,9 +187,20 @@ class Syncer:
         """The start-up handshake (engine/comm/handshake.py); from its end on, DATA messages
         can be checked."""
         ep = self.ep
-        handshake.hello(ep, self.layers, self.chunk_bytes, self._fail)
-        plan = handshake.agree_plan(ep, self._planner, self._link, self._on_plan)
-        units = handshake.units_of(plan, self.layers, ep.name, self._fail)
+        offered = handshake.hello(ep, self.layers, self.chunk_bytes, self._fail,
+                                  handshake.offers(self._engine_names, self._on_gpu))
+        self.engines = handshake.join_engines(ep, self._engine_names, self._required_engines,
+                                              offered, self._fail)
+        for c in self.engines.costs:
+            log.info("Collective engine %s joined (%s, %s): %s", c.name, c.version, c.algorithm,
+                     c.link.source)
+        for why in self.engines.dropped:
+            log.info("Collective engine not planned: %s", why)
+        plan = handshake.agree_plan(ep, self._planner, self._link, self._on_plan,
+                                    self.engines.costs)
+        units = handshake.units_of(plan, self.layers, ep.name, self._fail,
+                                   tuple(self.engines.joined))
+        self.engines.close(keep_only={u.scheme for u in units.units})
         self.codec = units.codec
         self.plan = plan
         self.units = {u.id: u for u in units.units}
@@ -307,6 +329,8 @@ class Syncer:
             t.join(timeout=5)
         for scheme in self._schemes.values():
             scheme.close()
+        if self.engines is not None:
+            self.engines.close(clean=self.ep.error is None)
         self.stats.extra.update(self.codec.report())
         self.ep.close(say_bye=self.ep.error is None)
 
@@ -344,6 +368,15 @@ class Syncer:
             self._transmit(job)
         else:
             self._send_q.put((unit.priority if self.priority else 0, next(self._seq), job))
+
+    @property
+    def collectives(self) -> dict[str, Any]:
+        """The collective engines this job joined, by name."""
+        return self.engines.joined if self.engines is not None else {}
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the progress thread (from any thread)."""
+        self._events.put(fn)
 
     def done(self, unit: Unit, rnd: int, bits: int) -> None:
         """``unit``'s mean gradient of round ``rnd`` is in its diffs: apply (progress thread)."""
@@ -438,6 +471,8 @@ class Syncer:
                 return
             if isinstance(ev, Message):
                 self._receivers[ev.header.scheme].receive(ev)
+            elif callable(ev):  # a completion posted by another thread (an engine's)
+                ev()
             else:
                 _, unit, rnd, bits, captured, released = ev
                 self._outstanding[(unit.id, rnd)] = (now(), released)

@@ -66,7 +66,7 @@ HEADER_BYTES = 1 << 16
 _ROLE = {pb.WORKER: WORKER, pb.SHARD: SHARD}
 _ROLE_PB = {WORKER: pb.WORKER, SHARD: pb.SHARD}
 _CONTROL = (pb.HELLO, pb.LAYOUT, pb.READY, pb.HEARTBEAT, pb.PLAN, pb.PROBE, pb.BYE, pb.ABORT,
-            pb.CHECK, pb.STATE)
+            pb.CHECK, pb.STATE, pb.ENGINE)
 #: PROBE's op: a request the receiver echoes at once, and the echo
 PROBE_ASK, PROBE_ECHO = 0, 1
 

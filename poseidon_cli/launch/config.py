@@ -19,6 +19,7 @@ from engine.comm.auth import job_key
 from engine.comm.codecs import WIRES
 from engine.comm.errors import CommError
 from engine.comm.planner import COMM_MODES, split_comm
+from engine.comm.schemes import ENGINE_SCHEMES, SCHEMES
 from engine.comm.schemes.ps import DEFAULT_CHUNK_BYTES
 from engine.comm.shard import DEFAULT_THREADS as DEFAULT_SHARD_THREADS
 
@@ -48,7 +49,14 @@ class JobConfig:
         "auto", "--comm", show_default=True, metavar="MODE[,LAYER=SCHEME...]",
         help=f"Gradient communication per layer ({'|'.join(COMM_MODES)}): the fastest of the "
         "schemes by the cost model (auto), Poseidon's PS/SFB choice by bytes (hybrid), or one "
-        "scheme wherever the layer allows it; then layers given a scheme by name (ip1=sfb).")
+        "scheme wherever the layer allows it; then layers given a scheme by name (ip1=sfb). "
+        f"{', '.join(ENGINE_SCHEMES)}: the collective engine of that name, whose traffic is "
+        "not authenticated.")
+    trusted_network: bool = option(
+        False, "--trusted-network", is_flag=True,
+        help=f"The workers' network admits no outsider: --comm auto may also plan the "
+        f"collective engines ({', '.join(ENGINE_SCHEMES)}), which authenticate nothing "
+        "(the plan, signals and elastic control stay authenticated).")
     timeout: float = option(30.0, "--timeout", show_default=True,
                             help="Seconds before a silent peer is declared lost.")
     chunk_bytes: int = option(DEFAULT_CHUNK_BYTES, "--chunk-bytes", show_default=True,
@@ -147,6 +155,11 @@ class JobConfig:
             raise CommError(f"--sparse must be a fraction between 0 and 1, got {self.sparse:g}")
         if self.sparse and self.wire != "fp32":
             raise CommError("--sparse sends float32 values: give it without --wire fp16")
+        _, required = self.engines
+        if required and self.codec != "fp32":
+            flag = "--sparse" if self.sparse else f"--wire {self.wire}"
+            raise CommError(f"--comm {required[0]} sums float32 gradients on the engine: give "
+                            f"it without {flag}")
         if self.sparse_warmup < 0 or (self.sparse_warmup and not self.sparse):
             raise CommError(f"--sparse-warmup {self.sparse_warmup}: the dense rounds before "
                             "--sparse starts, >= 0 and only with --sparse")
@@ -166,6 +179,16 @@ class JobConfig:
             if sig not in ("SIGINT", "SIGTERM", "SIGHUP") or action not in SIGNAL_ACTIONS:
                 raise CommError(f"signal effect {sig}={action!r}: expected SIGINT, SIGTERM or "
                                 f"SIGHUP = {' | '.join(SIGNAL_ACTIONS)}")
+
+    @property
+    def engines(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(the collective engines this job may plan, those --comm names): an engine is
+        planned only where the user named it or trusts the network (auto, fp32 wire)."""
+        mode, overrides = split_comm(self.comm)
+        named = [s for s in (mode, *overrides.values()) if s in ENGINE_SCHEMES]
+        required = tuple(dict.fromkeys(named))
+        trusted = mode == "auto" and self.trusted_network and self.codec == "fp32"
+        return (tuple(ENGINE_SCHEMES) if trusted else required), required
 
     @property
     def codec(self) -> str:
@@ -226,6 +249,20 @@ def cli_options() -> list[tuple[str, tuple[str, ...], dict[str, Any], Any]]:
     train` takes as an option of the same meaning."""
     return [(f.name, *f.metadata["option"], f.default)
             for f in dataclasses.fields(JobConfig) if "option" in f.metadata]
+
+
+def check_engines(config: JobConfig, elastic: bool, on_gpu: bool) -> None:
+    """Before any process starts: a CommError in one line when the engine --comm names cannot
+    run here (not installed; MPI in an elastic job, or not started by an MPI launcher)."""
+    for name in config.engines[1]:
+        scheme = SCHEMES[name]
+        if elastic and not scheme.elastic:  # type: ignore[attr-defined]
+            raise CommError(f"--comm {name}: MPI's world is fixed when its launcher starts the "
+                            "job, and an elastic job changes its workers: give --comm gloo "
+                            "(or auto) with --elastic")
+        why = scheme.backend.missing(on_gpu)  # type: ignore[attr-defined]
+        if why:
+            raise CommError(f"--comm {name}: {why}")
 
 
 def require_key(config: JobConfig) -> bytes:

@@ -105,14 +105,22 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
     # rank 0 plans; a plan to follow is read and checked before anyone waits for it
     pinned = recorded_plan(config, infos, entries, allow_sfb, gpu is not None, momentum,
                            strict=wrap_sync is None) if rank == 0 else None
+    allowed, required = config.engines
+    if pinned is not None:  # its engines, and no other
+        allowed = required = tuple(e.name for e in pinned[0].used_engines)
 
-    def planner(probed: Any, local: Any) -> Any:  # rank 0's: every worker follows it
+    def planner(probed: Any, local: Any, engines: Any) -> Any:  # rank 0's: all follow it
         plan, why = pinned or (None, "")
         if plan is None:
             plan = make_plan(infos, world, plan_options(
                 config, entries, allow_sfb, gpu is not None, momentum, solver.net, infos,
-                probed, local))
+                probed, local, engines))
             why = plan.why()
+        for e in plan.used_engines:
+            glog.info(f"The gradients of {sum(1 for _, s in plan.units if s == e.name)} units "
+                      f"travel on {e.name} ({e.version}, {e.algorithm}), which authenticates "
+                      "nothing: whoever can reach the workers' network can read and alter them "
+                      "(the plan, signals and elastic control stay authenticated)")
         levels = (f" ({world // plan.slots} machines of {plan.slots}, reducing inside each "
                   "machine first)" if plan.slots > 1 else "")
         wire = f"; wire {plan.wire()}" if plan.codec != "fp32" else ""
@@ -169,7 +177,8 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
 
         sync = Syncer(ep, slots, solver.update_layer, planner=planner, link=link,
                       levels=config.levels, chunk_bytes=config.chunk_bytes,
-                      priority=config.priority, on_round_done=report)
+                      priority=config.priority, on_round_done=report, engines=allowed,
+                      required_engines=required, on_gpu=gpu is not None)
         attached = wrap_sync(ep, sync) if wrap_sync is not None else sync
         solver.attach_sync(attached, momentum_by_sync=sync.momentum_layers)
         try:
@@ -228,7 +237,7 @@ def recorded_plan(config: JobConfig, infos: list[Any], entries: list[Any], allow
     from engine.caffe_io import FormatError
     from engine.comm.plan_file import read_plan
     from engine.comm.plan_file import recorded_plan as snapshot_plan
-    from engine.comm.planner import PlanMismatch, pin_plan
+    from engine.comm.planner import EngineMismatch, PlanMismatch, pin_plan
 
     source = config.plan or config.snapshot
     if source is None:
@@ -244,7 +253,11 @@ def recorded_plan(config: JobConfig, infos: list[Any], entries: list[Any], allow
         return None
     try:
         plan = pin_plan(recorded, infos, len(entries),
-                        plan_options(config, entries, allow_sfb, on_gpu, momentum))
+                        plan_options(config, entries, allow_sfb, on_gpu, momentum,
+                                     versions_of=[e.name for e in recorded.engines]))
+    except EngineMismatch as e:
+        raise CommError(f"{'--plan ' if config.plan else 'the plan recorded in '}{source}: "
+                        f"{e}") from None
     except PlanMismatch as e:
         if config.plan and strict:
             raise CommError(f"--plan {config.plan} does not fit this run: {e}") from None
@@ -256,13 +269,17 @@ def recorded_plan(config: JobConfig, infos: list[Any], entries: list[Any], allow
 
 def plan_options(config: JobConfig, entries: list[Any], allow_sfb: bool, on_gpu: bool,
                  momentum: float, net: Any = None, infos: list[Any] | None = None,
-                 link: Any = None, local_link: Any = None) -> Any:
+                 link: Any = None, local_link: Any = None, engines: Any = (),
+                 versions_of: Any = ()) -> Any:
     """Rank 0's PlanOptions: the job's settings, this machine's probed speeds, where the
-    workers are, the links (when known) and, with fusion and a ``net``, the backward time of
-    every layer estimated from its arithmetic (for --fusion-ms). ``momentum``: what the sparse
-    codec applies (its momentum correction; 0: none)."""
+    workers are, the links (when known), the engines every worker joined (priced by their
+    probes) and, with fusion and a ``net``, the backward time of every layer estimated from
+    its arithmetic (for --fusion-ms). ``momentum``: what the sparse codec applies (its
+    momentum correction; 0: none). ``versions_of``: the engines whose version this machine
+    is asked for (a recorded plan's)."""
     from engine.comm.planner import DEFAULT_LINK, DEFAULT_LOCAL_LINK, PlanOptions
     from engine.comm.probe import probe_device
+    from engine.comm.schemes import SCHEMES
     from engine.comm.topology import Topology
 
     device = probe_device(on_gpu)
@@ -274,7 +291,14 @@ def plan_options(config: JobConfig, entries: list[Any], allow_sfb: bool, on_gpu:
         trace = trace_from_flops(facts_of(net, infos), speed)
         backward_s = tuple(t.backward_ms / 1e3 for t in trace.layers)
     topo = Topology.of(entries, 0)
+    versions = []
+    for name in versions_of:
+        backend = SCHEMES[name].backend if name in SCHEMES and SCHEMES[name].engine else None
+        if backend is not None and not backend.missing(on_gpu):
+            versions.append((name, backend.version()))
     return PlanOptions(
+        engines=tuple(engines), trusted_engines=config.engines[0],
+        engine_versions=tuple(versions),
         comm=config.comm, allow_sfb=allow_sfb, link=link or DEFAULT_LINK,
         local_link=local_link or DEFAULT_LOCAL_LINK, device=device,
         chunk_bytes=config.chunk_bytes, codec=config.codec,

@@ -41,9 +41,17 @@ class Host(Protocol):
     topology: "Topology"
     plan: pb.Plan  # rank 0's plan, every worker's alike (its nonce names what schemes create)
 
+    #: the collective engines this job joined, by name (schemes/collective.py)
+    collectives: dict[str, Any]
+    #: the unit whose release ends a backward: it carries every signal of its round
+    signal_unit: int
+
     def send(self, unit: Unit, peers: Sequence["PeerId"], hdr: pb.Header,
              arrays: Sequence[np.ndarray] = ()) -> None:
         """Queue a DATA message of ``unit`` for the sender thread (by the unit's priority)."""
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the progress thread (from any thread)."""
 
     def done(self, unit: Unit, rnd: int, bits: int) -> None:
         """The mean gradient of ``unit``'s round ``rnd`` is in its diffs: apply the update."""
@@ -61,6 +69,11 @@ class Scheme(ABC):
     #: a fusion bucket of it is capped by --fusion-mb (bytes on a wire pipeline better in
     #: pieces); False: by --fusion-ms only (a bucket costs its messages, whatever its size)
     fusion_capped: ClassVar[bool] = True
+    #: a collective engine's (schemes/collective.py): its traffic is not authenticated, and
+    #: the planner prices it from the engine's start-up probe
+    engine: ClassVar[bool] = False
+    #: with several workers per machine, it runs in two levels (engine/comm/levels.py)
+    leveled: ClassVar[bool] = True
 
     def __init__(self, host: Host, units: Sequence[Unit], chunk_bytes: int,
                  groups: Sequence[tuple[int, ...]] | None = None, mine: int = 0) -> None:
