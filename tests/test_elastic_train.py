@@ -149,9 +149,9 @@ def same_bits(a: Path, b: Path) -> None:
         assert np.array_equal(got[name], w), name
 
 
-def resumed_reference(job: Job, db: Path, workers: int, commit: int) -> Path:
+def resumed_reference(job: Job, db: Path, workers: int, commit: int, *extra: str) -> Path:
     """A fresh run of ``workers`` resumed from the snapshot at ``commit`` on the last
-    generation's plan; its final weights."""
+    generation's plan (``extra``: more train options); its final weights."""
     d = job.d / "reference"
     solver = write_run(d, db, 8, "ref", iters=job.iters)
     base = free_base_port(workers)
@@ -161,7 +161,7 @@ def resumed_reference(job: Job, db: Path, workers: int, commit: int) -> Path:
     assert state.is_file(), f"no snapshot at the commit {commit}"
     done = poseidon("train", "--solver", str(solver), "--hosts", str(hosts), "--snapshot",
                     str(state), "--plan", str(job.d / f"{job.name}_plan.prototxt"),
-                    "--timeout", "20", timeout=300)
+                    "--timeout", "20", *extra, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "(pinned by --plan" in done.stderr
     return d / f"ref_iter_{job.iters}.caffemodel"

@@ -20,6 +20,7 @@ is one error line naming it and its value.
 """
 from __future__ import annotations
 
+import os
 import re
 import socket
 import zlib
@@ -193,6 +194,11 @@ def _mpi(env: Mapping[str, str], host: str, manager: str, rank_var: str, size_va
         if local_size == world:  # every rank on this machine: meet here
             job = next((env[v] for v in ("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE", "PMI_PORT")
                         if v in env), None)
+            if job is None and "PMI_FD" in env:
+                # MPICH's Hydra names no job, but one machine's ranks share its proxy process:
+                # two jobs at once on one machine then meet at two ports
+                job = f"hydra proxy {os.getppid()}"
+
             master = ("127.0.0.1", derived_port(job) if job else DEFAULT_MASTER_PORT)
         else:
             why = (f"{manager} does not say where rank 0 runs: export MASTER_ADDR (rank 0's "

@@ -1,0 +1,339 @@
+"""The collective engines as schemes (engine/comm/schemes/collective.py; gloo.py, mpi.py).
+
+End to end on loopback, real processes: `poseidon train -n 3 --comm gloo` and `mpiexec -n 3
+poseidon train --comm mpi` on LeNet equal one worker with 3·B (the bound and why it holds:
+tests/test_comm_train.py), with identical replicas; a resumed and a pinned gloo run reproduce
+the bits; a signal sent to one worker reaches every worker through the unit that carries the
+signals; a plan recorded on another engine version is refused in one line. Without a unit per
+layer (``--fusion-mb 0``) the engine issues several units per round, in the one order every
+worker shares. The engine-free parts (the planner's pricing, the trust rule, the engine
+thread's order) are checked in-process. A test that needs an engine skips, saying which,
+where its extra is not installed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.comm.auth import KEY_ENV, key_hex, new_key
+from engine.comm.cost import LayerInfo
+from engine.comm.link import Link
+from engine.comm.planner import EngineMismatch, PlanMismatch, PlanOptions, make_plan, pin_plan
+from engine.comm.schemes.collective import (
+    SIGNAL_BITS,
+    Backend,
+    Collective,
+    EngineCost,
+    ring_link,
+    ring_time,
+)
+from engine.comm.schemes.gloo import GlooBackend
+from engine.comm.schemes.mpi import MpiBackend
+from poseidon_cli.launch.config import JobConfig
+from tests.test_comm_resume import same_bits
+from tests.test_comm_train import (BOUND, ITERS, ROOT, digits_db, lenet_net,  # noqa: F401
+                                   relative_distance, weights, write_hosts, write_run)
+from tests.test_elastic_train import LOST, K, Job, jobs, resumed_reference, tree  # noqa: F401
+from tests.conftest import shared_path
+
+WORKERS = 3
+BATCH = 10  # per worker; one worker trains with 30
+GLOO = GlooBackend.missing(False)
+needs_gloo = pytest.mark.skipif(bool(GLOO), reason=f"gloo: {GLOO}")
+MPIEXEC = shutil.which("mpiexec", path=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+_mpi_missing = "mpi4py is not installed" if MpiBackend.missing(False).startswith("mpi4py is") \
+    else "" if MPIEXEC else "no mpiexec on PATH"
+needs_mpi = pytest.mark.skipif(bool(_mpi_missing), reason=f"mpi: {_mpi_missing}")
+
+
+# ------------------------------------------------------------------------- in-process
+CONV = LayerInfo(1, "conv1", [(8, 1, 3, 3), (8,)])
+IP1 = LayerInfo(3, "ip1", [(256, 512), (256,)], factors=(16, 512, 256))
+IP2 = LayerInfo(5, "ip2", [(10, 256), (10,)], factors=(16, 256, 10))
+LAYERS = [CONV, IP1, IP2]
+SLOW = Link(5e-3, 8e-8, "given: 100mbit@5ms")
+
+
+def engine(alpha: float = 1e-5, beta: float = 1e-10, version: str = "torch 9") -> EngineCost:
+    return EngineCost("gloo", version, "ring", Link(alpha, beta, "a probe"))
+
+
+def test_the_probe_fits_a_ring_that_takes_the_measured_times():
+    link = ring_link(4, 4 << 10, 300e-6, 4 << 20, 5e-3, "probe")
+    assert ring_time(link, 4, 4 << 10) == pytest.approx(300e-6)
+    assert ring_time(link, 4, 4 << 20) == pytest.approx(5e-3)
+
+
+def test_an_engine_is_planned_only_where_every_worker_joined_it():
+    assert all(s != "gloo" for _, s in make_plan(LAYERS, 2, PlanOptions(link=SLOW)).units)
+    with pytest.raises(ValueError, match="--comm gloo: the workers did not join it"):
+        make_plan(LAYERS, 2, PlanOptions(comm="gloo"))
+    forced = make_plan(LAYERS, 2, PlanOptions(comm="gloo", engines=(engine(),)))
+    assert {s for _, s in forced.units} == {"gloo"}
+    assert [(e.name, e.version, e.algorithm) for e in forced.to_pb().engines] == \
+        [("gloo", "torch 9", "ring")]
+
+
+def test_auto_prices_an_engine_by_its_probe():
+    """A fast engine takes every layer on a slow link; a slow engine takes none."""
+    fast = make_plan(LAYERS, 2, PlanOptions(link=SLOW, engines=(engine(),)))
+    assert {s for _, s in fast.units} == {"gloo"}
+    slow = make_plan(LAYERS, 2, PlanOptions(link=SLOW, engines=(engine(alpha=1.0),)))
+    assert "gloo" not in {s for _, s in slow.units} and not slow.to_pb().engines
+
+
+def test_a_recorded_engine_plan_is_followed_refused_or_replaced_saying_why():
+    recorded = make_plan(LAYERS, 2, PlanOptions(comm="gloo", engines=(engine(),))).to_pb()
+    here = PlanOptions(trusted_engines=("gloo",), engine_versions=(("gloo", "torch 9"),))
+    pinned = pin_plan(recorded, LAYERS, 2, here)
+    assert {s for _, s in pinned.units} == {"gloo"} and pinned.used_engines[0].version == "torch 9"
+    with pytest.raises(EngineMismatch, match=r"it sums on gloo torch 9 \(ring\), this run has "
+                                             r"torch 10"):
+        pin_plan(recorded, LAYERS, 2, PlanOptions(trusted_engines=("gloo",),
+                                                  engine_versions=(("gloo", "torch 10"),)))
+    with pytest.raises(EngineMismatch, match="this run cannot run gloo"):
+        pin_plan(recorded, LAYERS, 2, PlanOptions(trusted_engines=("gloo",)))
+    with pytest.raises(PlanMismatch, match="authenticates nothing, and this run does not allow "
+                                           r"it \(give --comm gloo or --trusted-network\)"):
+        pin_plan(recorded, LAYERS, 2, PlanOptions(engine_versions=(("gloo", "torch 9"),)))
+
+
+@pytest.mark.parametrize("comm, trusted, wire, allowed, required", [
+    ("auto", False, "fp32", (), ()),
+    ("auto", True, "fp32", ("gloo", "mpi", "nccl"), ()),
+    ("auto", True, "fp16", (), ()),
+    ("gloo", False, "fp32", ("gloo",), ("gloo",)),
+    ("ring,ip1=mpi", False, "fp32", ("mpi",), ("mpi",)),
+    ("hybrid", True, "fp32", (), ()),
+])
+def test_engines_are_planned_only_where_the_user_trusts_the_network(comm, trusted, wire, allowed,
+                                                                    required):
+    config = JobConfig(solver="s", comm=comm, trusted_network=trusted, wire=wire)
+    assert config.engines == (allowed, required)
+
+
+def test_an_engine_with_a_compressing_wire_is_refused_in_one_line():
+    from engine.comm.errors import CommError
+    with pytest.raises(CommError, match="--comm gloo sums float32 gradients on the engine: give "
+                                        "it without --wire fp16"):
+        JobConfig(solver="s", comm="gloo", wire="fp16")
+
+
+class _Recorder(Backend):
+    """A backend that sums nothing and records the order it is asked to, on which thread."""
+    name = "recorder"
+    install = ""
+
+    @classmethod
+    def missing(cls, on_gpu: bool) -> str:
+        return ""
+
+    @classmethod
+    def version(cls) -> str:
+        return "1"
+
+    @classmethod
+    def algorithm(cls) -> str:
+        return "none"
+
+    def __init__(self, setup, rank, world, address, timeout) -> None:
+        self.order: list[int] = []
+        self.threads: set[str] = {threading.current_thread().name}
+
+    def start(self, vec):
+        self.threads.add(threading.current_thread().name)
+        self.order.append(int(vec[0]))
+        return None
+
+
+def test_the_engine_thread_issues_in_the_one_order_whatever_order_ops_come_in():
+    c = Collective(_Recorder, b"", 0, 2, "127.0.0.1", 5.0, lambda why: None)
+    try:
+        done = threading.Semaphore(0)
+        for seq in (2, 0, 3, 1, 5, 4):
+            c.submit(seq, np.array([seq]), done.release, f"op {seq}")
+        for _ in range(6):
+            assert done.acquire(timeout=5)
+        assert c.backend.order == [0, 1, 2, 3, 4, 5]
+        assert c.backend.threads == {"poseidon-recorder"}  # joined and issued on one thread
+    finally:
+        c.close()
+
+
+def test_signal_bits_are_every_request_bit():
+    from engine.comm.syncer import REQUEST_BITS
+    assert set(REQUEST_BITS.values()) <= set(SIGNAL_BITS)
+
+
+# ------------------------------------------------------------------------- real processes
+@pytest.fixture(scope="module")
+def lenet_db(tmp_path_factory) -> Path:
+    from engine.data.converters import convert_mnist
+    src = shared_path("data", "mnist")
+    out = tmp_path_factory.mktemp("mnist3")
+    convert_mnist(src, out, limit=WORKERS * BATCH * ITERS)
+    return out / "mnist_train_lmdb"
+
+
+@pytest.fixture(scope="module")
+def lenet_reference(lenet_db, tmp_path_factory) -> dict[str, np.ndarray]:
+    d = tmp_path_factory.mktemp("ref3")
+    solver = write_run(d, lenet_db, WORKERS * BATCH, "ref", net=lenet_net)
+    done = run(["train", "--solver", str(solver)])
+    assert done.returncode == 0, done.stderr[-2000:]
+    return weights(d / f"ref_iter_{ITERS}.caffemodel")
+
+
+def run(args: list[str], launcher: list[str] = (), timeout: float = 240,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*launcher, sys.executable, "-m", "poseidon_cli.main", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def check_equals_reference(d: Path, reference: dict[str, np.ndarray], engine_name: str,
+                           done: subprocess.CompletedProcess) -> None:
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = weights(d / f"dist_iter_{ITERS}.caffemodel")
+    worst = max(relative_distance(got, reference).items(), key=lambda kv: kv[1])
+    assert worst[1] <= BOUND, worst
+    s = json.loads((d / "stats.json").read_text())
+    assert s["replicas_identical"] is True and s["world_size"] == WORKERS
+    assert {u["scheme"] for u in s["units"]} == {engine_name}
+    assert f"travel on {engine_name} (" in done.stderr and "authenticates nothing" in done.stderr
+
+
+@needs_gloo
+def test_three_gloo_workers_equal_one_worker_with_three_times_the_batch(lenet_db, lenet_reference,
+                                                                       tmp_path):
+    solver = write_run(tmp_path, lenet_db, BATCH, "dist", net=lenet_net)
+    done = run(["train", "--solver", str(solver), "-n", str(WORKERS), "--comm", "gloo",
+                "--fusion-mb", "0", "--timeout", "60", "--stats", str(tmp_path / "stats.json")])
+    check_equals_reference(tmp_path, lenet_reference, "gloo", done)
+    s = json.loads((tmp_path / "stats.json").read_text())
+    assert len(s["units"]) == 4  # one per layer: the engine orders four units per round
+
+
+@needs_mpi
+def test_three_mpi_workers_equal_one_worker_with_three_times_the_batch(lenet_db, lenet_reference,
+                                                                      tmp_path):
+    solver = write_run(tmp_path, lenet_db, BATCH, "dist", net=lenet_net)
+    key = {KEY_ENV: key_hex(new_key())}
+    args = ["train", "--solver", str(solver), "--comm", "mpi", "--fusion-mb", "0", "--timeout",
+            "60"]
+    done = run([*args, "--stats", str(tmp_path / "stats.json")],
+               [MPIEXEC, "-n", str(WORKERS)], env=key)
+    check_equals_reference(tmp_path, lenet_reference, "mpi", done)
+    assert "Rendezvous (MPICH / Intel MPI)" in done.stderr
+    first = weights(tmp_path / f"dist_iter_{ITERS}.caffemodel")
+    # a rerun on the plan the first run wrote gives the same bits (the algorithm is pinned)
+    again = run([*args, "--plan", str(tmp_path / "dist_plan.prototxt")],
+                [MPIEXEC, "-n", str(WORKERS)], env=key)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "(pinned by --plan" in again.stderr
+    second = weights(tmp_path / f"dist_iter_{ITERS}.caffemodel")
+    assert all(np.array_equal(first[k], second[k]) for k in first)
+
+
+def train(*args: str) -> str:
+    done = run(["train", *args, "--timeout", "30"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stderr
+
+
+@needs_gloo
+def test_a_resumed_and_a_pinned_gloo_run_reproduce_the_bits(digits_db, tmp_path):  # noqa: F811
+    hosts, _ = write_hosts(tmp_path, 2)
+    solvers = {}
+    for name in ("straight", "resumed", "pinned"):
+        solvers[name] = write_run(tmp_path, digits_db, 16, name, iters=10)
+        solvers[name].write_text(solvers[name].read_text() + "snapshot: 5\n")
+    gloo = ["--hosts", str(hosts), "--comm", "gloo", "--fusion-mb", "0"]
+    train("--solver", str(solvers["straight"]), *gloo)
+    state = tmp_path / "straight_iter_5.solverstate"
+    log = train("--solver", str(solvers["resumed"]), *gloo, "--snapshot", str(state))
+    assert f"(recorded in {state}: the resumed run sums as the run that wrote it)" in log
+    plan = tmp_path / "straight_plan.prototxt"
+    assert 'version: "torch ' in plan.read_text() and 'algorithm: "ring"' in plan.read_text()
+    log = train("--solver", str(solvers["pinned"]), "--hosts", str(hosts), "--trusted-network",
+                "--plan", str(plan))
+    assert f"(pinned by --plan {plan})" in log
+    for name in ("resumed", "pinned"):
+        same_bits(tmp_path / "straight_iter_10.caffemodel", tmp_path / f"{name}_iter_10.caffemodel")
+
+    # a plan made on another version of the engine is refused, naming both
+    edited = tmp_path / "other_version.prototxt"
+    edited.write_text(plan.read_text().replace('version: "torch ', 'version: "torch 0.'))
+    done = run(["train", "--solver", str(solvers["pinned"]), *gloo, "--plan", str(edited),
+                "--timeout", "30"])
+    errors = [l for l in done.stderr.splitlines() if l.startswith("poseidon: error:")]
+    assert done.returncode != 0 and len(errors) == 1, done.stderr[-2000:]
+    assert f"--plan {edited}: it sums on gloo torch 0." in errors[0]
+    assert f", this run has {GlooBackend.version()}: another version may sum in another " \
+           "order" in errors[0]
+
+
+@needs_gloo
+def test_a_signal_to_one_gloo_worker_reaches_every_worker(digits_db, tmp_path):  # noqa: F811
+    """SIGHUP (snapshot) to worker 1 alone: its request rides the unit that ends its backward,
+    and rank 0, which no signal reached, writes the snapshot at the iteration all agreed."""
+    from engine.comm.hosts import port_owner
+    from tests.test_comm_signals import FAR, start_in_background, wait_for_line
+
+    hosts, base = write_hosts(tmp_path, 2)
+    solver = write_run(tmp_path, digits_db, 16, "sig", iters=FAR, display=1)
+    shell, launcher = start_in_background(
+        ["train", "--solver", str(solver), "--hosts", str(hosts), "--comm", "gloo",
+         "--fusion-mb", "0", "--timeout", "30"], tmp_path)
+    try:
+        wait_for_line(shell.stderr, r"Iteration 3\b", timeout=120)
+        owner = port_owner(base + 2)
+        assert owner is not None
+        os.kill(int(owner.split()[1]), signal.SIGHUP)
+        deadline = time.monotonic() + 60  # liveness
+        while not list(tmp_path.glob("sig_iter_*.solverstate")):
+            assert time.monotonic() < deadline, "rank 0 wrote no snapshot"
+            time.sleep(0.1)
+        os.kill(launcher, signal.SIGINT)
+        shell.wait(timeout=60)
+    finally:
+        if shell.poll() is None:  # the launcher shares this process group: kill its tree
+            for pid in tree(launcher):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            shell.kill()
+    assert shell.returncode == 0
+
+
+@needs_gloo
+def test_kill_9_of_a_gloo_worker_leaves_three_that_go_on_from_the_commit(jobs, digits_db,  # noqa: F811
+                                                                        tmp_path):
+    """The elastic job rebuilds the Gloo group for each generation; from the commit on it
+    equals a 3-worker gloo run resumed from it, bit for bit."""
+    job = Job(tmp_path, digits_db, 4, iters=20)
+    jobs.append(job.start("--min-workers", "3", "--backoff", "600", "--comm", "gloo"))
+    job.wait_for(r"Elastic generation 1: 4 workers")
+    victim = job.member(1)
+    job.wait_for(rf"Iteration {2 * K + 2} ")
+    os.kill(victim, signal.SIGKILL)
+    m = job.wait_for(LOST.format(rank=1, port=job.port(1)))
+    commit = int(m.group(1))
+    assert job.finish() == 0, job.text()[-3000:]
+    assert not job.errors()
+    # the second generation joined a Gloo group of its own three workers
+    assert re.search(r"Collective engine gloo joined \(.*, 3 workers$", job.text(), re.M)
+    reference = resumed_reference(job, digits_db, 3, commit, "--comm", "gloo")
+    same_bits(reference, tmp_path / f"el_iter_{job.iters}.caffemodel")
