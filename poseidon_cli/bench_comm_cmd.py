@@ -40,12 +40,19 @@ def parse_sizes(text: str) -> list[int]:
 
 
 @click.command("comm")
-@click.option("--sizes", default="1K-256M", show_default=True,
-              help="Message sizes: 1K-256M (x4 steps), or a list 4K,64M.")
+@click.option("--sizes", default=None,
+              help="Message sizes: 1K-256M (x4 steps), or a list 4K,64M.  [default: 1K-256M; "
+              "with --allreduce 64K,1M,64M]")
 @click.option("--repeats", type=int, default=5, show_default=True,
-              help="Alternating repetitions per size (fewer for the largest).")
-@click.option("--workers", default="2,4,8,16", show_default=True,
-              help="Worker counts for the per-scheme table.")
+              help="Alternating repetitions per size (fewer for the largest; with --allreduce "
+              "at most this many times 4).")
+@click.option("--workers", default=None,
+              help="Worker counts for the per-scheme table.  [default: 2,4,8,16; with "
+              "--allreduce the processes to run: 2,4]")
+@click.option("--allreduce", is_flag=True,
+              help="Instead: P processes allreduce each size with Poseidon's ring and hd, the "
+              "gloo and mpi schemes, and beside them torch.distributed's all_reduce and "
+              "mpi4py's Allreduce called bare (MPI when mpi4py and mpiexec are installed).")
 @click.option("--bandwidth", default=None,
               help="Through one emulated link of this rate (1gbit, 5gbit; needs root: a "
                    "network namespace at each end, tbf both ways) instead of loopback.")
@@ -60,9 +67,17 @@ def parse_sizes(text: str) -> list[int]:
               help="Write every row, the fit and the scheme table here.")
 @click.option("--link-out", type=click.Path(dir_okay=False), default=None,
               help="Write the fitted alpha and beta for `poseidon simulate --link`.")
-def comm(sizes: str, repeats: int, workers: str, bandwidth: str | None, piece_bytes: str,
-         gloo: bool, stages: bool, json_path: str | None, link_out: str | None) -> None:
+def comm(sizes: str | None, repeats: int, workers: str | None, allreduce: bool,
+         bandwidth: str | None, piece_bytes: str, gloo: bool, stages: bool,
+         json_path: str | None, link_out: str | None) -> None:
     """Poseidon's transport against raw TCP and Gloo between two processes; fits alpha, beta."""
+    if allreduce:
+        if bandwidth is not None or link_out is not None or stages:
+            fail("--allreduce runs on loopback: give it without --bandwidth, --link-out and "
+                 "--stages")
+        allreduce_table(sizes or "64K,1M,64M", workers or "2,4", repeats, json_path)
+        return
+    sizes, workers = sizes or "1K-256M", workers or "2,4,8,16"
     from poseidon_cli.benches.comm import (
         auth_bytes_per_s,
         cpu_name_and_blas,
@@ -139,3 +154,44 @@ def comm(sizes: str, repeats: int, workers: str, bandwidth: str | None, piece_by
             {"machine": cpu_name_and_blas(), "where": where, "piece_bytes": piece,
              "rows": [r.as_dict() for r in rows], "link": link.as_dict(),
              "auth_bytes_per_s": auth, "stages": breakdown, "schemes": table}, indent=1) + "\n")
+
+
+def allreduce_table(sizes: str, workers: str, repeats: int, json_path: str | None) -> None:
+    """`bench comm --allreduce`: each scheme and each engine called bare, alternating."""
+    from poseidon_cli.benches.allreduce import ENGINE_OF, run
+    from poseidon_cli.benches.comm import cpu_name_and_blas
+
+    from .simulate_cmd import parse_workers
+
+    with user_errors():
+        chosen = parse_sizes(sizes)
+        counts = parse_workers(workers)
+        if repeats < 1:
+            raise ValueError(f"--repeats must be positive, got {repeats}")
+    click.echo(f"machine: {cpu_name_and_blas()}, loopback; allreduce (sum, in place) of float32 "
+               "vectors, the slowest rank's time, median of alternating repeats")
+    header: list[str] = []
+
+    def say(row) -> None:
+        engines = [s for s in ENGINE_OF if s in row.seconds]
+        if not header:
+            header.extend(row.seconds)
+            click.echo(f"{'P':>3} {'bytes':>10} " + " ".join(f"{p:>22}" for p in header)
+                       + " " + " ".join(f"{s + '/bare':>10} {s + ' sum/bare':>14}"
+                                        for s in engines))
+        click.echo(f"{row.workers:>3} {row.bytes:>10} "
+                   + " ".join(f"{row.seconds[p] * 1e6:>19.0f} us" for p in header) + " "
+                   + " ".join(f"{row.ratio(s):>9.2f}x {row.ratio(s, ': sum'):>13.2f}x"
+                              for s in engines))
+
+    try:
+        rows, notes = run(counts, chosen, 4 * repeats, say)
+    except (RuntimeError, OSError) as e:
+        fail(f"bench comm --allreduce: {e}")
+    for engine in ("gloo", "mpi"):
+        if engine not in notes["peers"]:
+            click.echo(f"{engine}: not run ({notes[engine]})")
+    if json_path:
+        Path(json_path).write_text(json.dumps(
+            {"machine": cpu_name_and_blas(), "where": "loopback", "notes": notes,
+             "rows": [r.as_dict() for r in rows]}, indent=1) + "\n")

@@ -34,6 +34,7 @@ from engine.comm.schemes.collective import (
     SIGNAL_BITS,
     Backend,
     Collective,
+    CollectiveScheme,
     EngineCost,
     ring_link,
     ring_time,
@@ -156,6 +157,9 @@ class _Recorder(Backend):
         self.order.append(int(vec[0]))
         return None
 
+    def then(self, handle, done) -> bool:
+        return False  # the wait thread's path
+
 
 def test_the_engine_thread_issues_in_the_one_order_whatever_order_ops_come_in():
     c = Collective(_Recorder, b"", 0, 2, "127.0.0.1", 5.0, lambda why: None)
@@ -169,6 +173,138 @@ def test_the_engine_thread_issues_in_the_one_order_whatever_order_ops_come_in():
         assert c.backend.threads == {"poseidon-recorder"}  # joined and issued on one thread
     finally:
         c.close()
+
+
+class _Hub:
+    """Two in-process ranks' engine: op k of each rank is summed in rank order when both came."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ops: dict[int, dict[int, tuple[np.ndarray, threading.Event]]] = {}
+        self.count = [0, 0]
+
+
+HUB = _Hub()
+
+
+class _HubBackend(Backend):
+    name = "hub"
+    install = ""
+
+    @classmethod
+    def missing(cls, on_gpu: bool) -> str:
+        return ""
+
+    @classmethod
+    def version(cls) -> str:
+        return "1"
+
+    @classmethod
+    def algorithm(cls) -> str:
+        return "rank order"
+
+    def __init__(self, setup, rank, world, address, timeout) -> None:
+        self.rank = rank
+
+    def start(self, vec):
+        done = threading.Event()
+        with HUB.lock:
+            k = HUB.count[self.rank]
+            HUB.count[self.rank] += 1
+            got = HUB.ops.setdefault(k, {})
+            got[self.rank] = (vec, done)
+            if len(got) == 2:
+                total = got[0][0] + got[1][0]
+                for v, e in HUB.ops.pop(k).values():
+                    v[...] = total
+                    e.set()
+        return done
+
+    def then(self, handle, done) -> bool:
+        return False
+
+    def finish(self, handle) -> None:
+        assert handle.wait(10)
+
+
+class _HubScheme(CollectiveScheme):
+    name = "hub"
+    backend = _HubBackend
+
+
+class _Host:
+    def __init__(self, rank: int) -> None:
+        from engine.comm.codecs import Codec
+        from engine.comm.stats import CommStats
+        self.rank, self.world, self.codec = rank, 2, Codec()
+        self.ep = type("Ep", (), {"stats": CommStats()})()
+        self.signal_unit = 1
+        self.events: list = []
+        self.lock = threading.Condition()
+        self.collectives = {"hub": Collective(_HubBackend, b"", rank, 2, "", 5.0,
+                                              lambda why: None)}
+
+    def call_soon(self, fn) -> None:
+        with self.lock:
+            self.events.append(fn)
+            self.lock.notify_all()
+
+    def run_until(self, done: list, n: int) -> None:
+        """The progress loop: run posted completions until ``n`` units are done."""
+        deadline = time.monotonic() + 10
+        while len(done) < n:
+            with self.lock:
+                while not self.events:
+                    assert self.lock.wait(max(deadline - time.monotonic(), 0.01))
+                fn = self.events.pop(0)
+            fn()
+
+
+@pytest.mark.parametrize("signal_floats", [3, (256 << 10) // 4],
+                         ids=["signals behind the gradients", "signals apart"])
+def test_two_ranks_sum_in_one_order_and_agree_on_every_signal(signal_floats):
+    """The engine layer's multi-rank logic with an in-process engine: three units a round,
+    released by the two ranks in opposite orders, summed in the one order; the signal one
+    rank raised reaches both, whether it rides behind the signal unit or in an op of its
+    own."""
+    from engine.comm.units import LayerSlot, ParamSlot, Unit
+
+    class Blob:
+        def __init__(self, n: int, v: float) -> None:
+            self.data = np.zeros(n, np.float32)
+            self.diff = np.full(n, v, np.float32)
+
+    hosts, schemes, done = [], [], [[], []]
+    for rank in range(2):
+        host = _Host(rank)
+        units = [Unit([LayerSlot(i, f"l{i}", [ParamSlot(i, f"l{i}/0",
+                                                        Blob(n, rank + i), "other")])], "hub")
+                 for i, n in ((1, signal_floats), (2, 5), (3, 7))]
+        hosts.append(host)
+        schemes.append((_HubScheme(host, units, 1 << 20), units))
+    try:
+        for rnd in range(2):
+            for rank, (scheme, units) in enumerate(schemes):
+                # rank 1 raises STOP in round 1; rank 0 starts its units in another order
+                order = units[::-1] if rank == 1 else [units[1], units[0], units[2]]
+                for u in order:
+                    bits = 2 if (rank, rnd) == (1, 1) else 0
+                    diff = u.params[0].blob.diff
+
+                    def finish(total, agreed, r=rank, u=u, rnd=rnd, diff=diff) -> None:
+                        diff[...] = total[:diff.size]  # as the scheme's caller scatters it
+                        done[r].append((rnd, u.id, float(total[0]), agreed))
+                    scheme.sum_vector(u, rnd, 0, diff.reshape(-1), bits, finish)
+            for rank, host in enumerate(hosts):
+                host.run_until(done[rank], 3 * (rnd + 1))
+        for rank in range(2):
+            got = {(rnd, uid): (value, agreed) for rnd, uid, value, agreed in done[rank]}
+            for uid in (1, 2, 3):  # each round doubles the in-place sum of ranks 0 and 1
+                assert got[(0, uid)] == (2 * uid + 1, 0)
+                assert got[(1, uid)] == (2 * (2 * uid + 1), 2 if uid == 1 else 0)
+    finally:
+        for host in hosts:
+            host.collectives["hub"].close()
 
 
 def test_signal_bits_are_every_request_bit():

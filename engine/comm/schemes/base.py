@@ -16,6 +16,7 @@ units that need it. ``timing`` prices one layer for the planner and the DAG mode
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol, Sequence
 
@@ -170,6 +171,9 @@ class DenseScheme(Scheme):
         super().__init__(host, units, chunk_bytes, groups, mine)
         self._buffers: dict[int, np.ndarray] = {}
         self._staging = Staging()
+        #: when a list: each round's seconds from the gathered vector to its sum
+        #: (`poseidon bench comm --allreduce` sets it)
+        self.spans: list[float] | None = None
 
     def capture(self, unit: Unit) -> Staged | None:
         # a GPU's gradients start for the host now, beside the backward of the layers below
@@ -184,8 +188,11 @@ class DenseScheme(Scheme):
                                                   np.dtype(unit.params[0].blob.diff.dtype))
             vec = gather(unit, self._buffers.get(unit.id))
         world = self.host.world  # the mean over every worker, whatever the levels
+        spans, began = self.spans, time.perf_counter()
 
         def finish(total: np.ndarray, bits: int) -> None:
+            if spans is not None:
+                spans.append(time.perf_counter() - began)
             # the mean (P workers with batch B compute one worker's P·B) into the diffs (a
             # scheme's sends of ``vec``, maybe a diff, are all received once the sum is
             # complete, while ``total`` may still be on its way to a peer: zero-copy)

@@ -21,7 +21,8 @@ library's allreduce; this module gives every backend the same life in a job:
 - **Signals.** The other schemes OR each worker's request bits (snapshot, stop, leave) into
   their messages. An engine sums numbers, so the unit that ends a backward (the syncer's
   ``signal_unit``: every signal of a round is in its release) carries one extra value per bit
-  behind its gradients: summed, a value above zero is the OR.
+  behind its gradients (a large one, or a device's: in a small allreduce of their own, last in
+  the round): summed, a value above zero is the OR.
 
 Every worker ends each round with identical bits: each backend pins an algorithm that hands
 every worker the same sum (a ring's reduce-scatter sums each segment once), and the syncer's
@@ -56,6 +57,9 @@ PROBE_LARGE_BYTES = 4 << 20
 PROBE_REPEATS = (8, 3)
 #: no engine moves a byte faster than memory (1 / 100 GB/s)
 MIN_BETA = 1e-11
+#: a signal unit this large sends its signals in an allreduce of their own: copying it into a
+#: vector with room for them behind would cost more than that small allreduce
+SIGNALS_APART_BYTES = 256 << 10
 
 
 class EngineError(CommError):
@@ -83,9 +87,8 @@ class EngineCost:
 
 
 class Backend(ABC):
-    """One library's allreduce, joined to one job. ``start`` runs on the engine thread,
-    ``finish`` on the wait thread; the constructor (the join) and ``close`` on the engine
-    thread."""
+    """One library's allreduce, joined to one job. The constructor (the join), ``start`` and
+    ``close`` run on the engine thread; a completion is reported by ``then``."""
 
     #: the scheme's name, on the command line and in plans
     name: ClassVar[str]
@@ -122,10 +125,16 @@ class Backend(ABC):
 
     @abstractmethod
     def start(self, vec: Any) -> Any:
-        """Issue the in-place allreduce (sum) of ``vec``; a handle for ``finish``."""
+        """Issue the in-place allreduce (sum) of ``vec``; a handle for ``then`` (a blocking
+        engine returns once the sum is complete)."""
+
+    @abstractmethod
+    def then(self, handle: Any, done: Callable[[BaseException | None], None]) -> bool:
+        """Arrange ``done(error or None)`` for when ``handle`` completes, on any thread, and
+        say True; or False: the collective's wait thread calls ``finish`` and then ``done``."""
 
     def finish(self, handle: Any) -> None:
-        """Wait until the allreduce ``handle`` is complete."""
+        """Block until ``handle`` completes (for ``then``'s False)."""
 
     def close(self) -> None:
         """Leave the engine (the job's end)."""
@@ -146,8 +155,10 @@ _STOP = object()
 
 
 class Collective:
-    """A backend joined to one job, with its engine thread (set-up, issue in order, close)
-    and its wait thread (completions in order)."""
+    """A backend joined to one job: its engine thread (the join, the ops issued strictly in
+    sequence order, the leave) and, for an engine that cannot call back, a wait thread that
+    waits for each issued op in turn. Completions go to each op's ``done``, on whichever
+    thread saw them."""
 
     def __init__(self, backend: type[Backend], setup: bytes, rank: int, world: int,
                  address: str, timeout: float, on_error: Callable[[str], None]) -> None:
@@ -161,6 +172,7 @@ class Collective:
         #: the sequence number issued next, and ops that came before their turn
         self._next = 0
         self._early: dict[int, tuple[Any, Callable[[], None], str]] = {}
+        self._lock = threading.Lock()
         self.failed: str | None = None
         enter = backend.thread_context()
         self._threads = [threading.Thread(target=self._engine_loop, args=(enter,),
@@ -173,7 +185,6 @@ class Collective:
             lambda: backend(setup, rank, world, address, timeout),
             f"joining {self.name} (every worker joins at once)")
 
-    # ------------------------------------------------------------------ the engine thread
     def call(self, fn: Callable[[], Any], what: str) -> Any:
         """Run ``fn`` on the engine thread (a library that wants its calls on one thread gets
         them there) and return its result; an EngineError after the job's timeout."""
@@ -188,8 +199,17 @@ class Collective:
 
     def submit(self, seq: int, vec: Any, done: Callable[[], None], what: str) -> None:
         """Allreduce ``vec`` in place as operation ``seq`` of the job's one order (0, 1, 2,
-        ...); ``done()`` on the wait thread once complete."""
+        ...); ``done()`` once complete (on an engine's thread)."""
         self._calls.put(("op", seq, vec, done, what))
+
+    def _issue(self, seq: int, vec: Any, on_done: Callable[[], None], what: str) -> None:
+        self._next += 1
+        try:
+            handle = self.backend.start(vec)
+            if not self.backend.then(handle, self._completion(on_done, what)):
+                self._issued.put((handle, on_done, what))
+        except Exception as e:
+            self._fail(what, e)
 
     def _engine_loop(self, enter: Callable[[], None]) -> None:
         enter()
@@ -207,16 +227,19 @@ class Collective:
                 done.set()
                 continue
             _, seq, vec, on_done, what = item
-            self._early[seq] = (vec, on_done, what)
-            while self._next in self._early and self.failed is None:
-                vec, on_done, what = self._early.pop(self._next)
-                self._next += 1
-                try:
-                    handle = self.backend.start(vec)
-                except Exception as e:
-                    self._fail(what, e)
-                    break
-                self._issued.put((handle, on_done, what))
+            with self._lock:
+                self._early[seq] = (vec, on_done, what)
+                while self._next in self._early and self.failed is None:
+                    self._issue(self._next, *self._early.pop(self._next))
+
+    def _completion(self, on_done: Callable[[], None],
+                    what: str) -> Callable[[BaseException | None], None]:
+        def done(error: BaseException | None) -> None:
+            if error is not None:
+                self._fail(what, error)
+            elif self.failed is None:
+                on_done()
+        return done
 
     def _wait_loop(self, enter: Callable[[], None]) -> None:
         enter()
@@ -275,7 +298,7 @@ def probe(collective: Collective) -> Link:
             times = []
             for _ in range(repeats + 1):  # the first warms the engine's connections up
                 t = time.perf_counter()
-                backend.finish(backend.start(vec))
+                _complete(backend, backend.start(vec))
                 times.append(time.perf_counter() - t)
             best.append(min(times[1:]))
         return best[0], best[1]
@@ -285,6 +308,22 @@ def probe(collective: Collective) -> Link:
                      f"{collective.name} probe: {PROBE_SMALL_BYTES >> 10} KB in "
                      f"{small * 1e6:.0f} us, {PROBE_LARGE_BYTES >> 20} MB in "
                      f"{large * 1e3:.2f} ms, {world} workers")
+
+
+def _complete(backend: Backend, handle: Any) -> None:
+    """Wait here for ``handle`` (on the engine thread, at start-up)."""
+    seen = threading.Event()
+    box: list[BaseException | None] = []
+
+    def done(error: BaseException | None) -> None:
+        box.append(error)
+        seen.set()
+    if not backend.then(handle, done):
+        backend.finish(handle)
+        return
+    seen.wait()
+    if box[0] is not None:
+        raise box[0]
 
 
 def _probe_vector(backend: Backend, nbytes: int) -> Any:
@@ -331,12 +370,19 @@ class CollectiveScheme(DenseScheme):
         # release order: backward completes the highest unit first, on every worker alike
         ordered = sorted(self.units, reverse=True)
         self._position = {uid: k for k, uid in enumerate(ordered)}
+        self._ops_per_round = len(ordered)
         self.signal_unit = host.signal_unit if host.signal_unit in self.units else None
-        if self.signal_unit is not None and not self.backend.on_device:
+        #: the signals travel in an allreduce of their own, last in each round, where
+        #: copying the signal unit into a longer vector would cost more
+        self._signals_apart = False
+        if self.signal_unit is not None:
             u = self.units[self.signal_unit]
-            # gathered straight into the vector that carries the bits behind the gradients
-            self._buffers[u.id] = np.empty(u.count + len(SIGNAL_BITS),
-                                           np.dtype(u.params[0].blob.diff.dtype))
+            dtype = np.dtype(u.params[0].blob.diff.dtype)
+            if self.backend.on_device or u.count * dtype.itemsize >= SIGNALS_APART_BYTES:
+                self._signals_apart = True
+                self._ops_per_round += 1
+            else:  # gathered straight into the vector that carries the bits behind it
+                self._buffers[u.id] = np.empty(u.count + len(SIGNAL_BITS), dtype)
 
     @classmethod
     def timing(cls, info: Any, world: int, link: Any, device: Device, chunk_bytes: int,
@@ -352,30 +398,50 @@ class CollectiveScheme(DenseScheme):
     def sum_vector(self, unit: Unit, rnd: int, phase: int, vec: Any, bits: int,
                    on_done: Callable[[Any, int], None]) -> None:
         carries = unit.id == self.signal_unit
-        if carries and not self.backend.on_device:  # (a device vector carries them already)
+        values = [1.0 if bits & b else 0.0 for b in SIGNAL_BITS]
+        flags = None
+        if carries and self._signals_apart:
+            flags = self.signal_vector(values)
+        elif carries:
             buf = self._buffers[unit.id]
             if not np.shares_memory(buf, vec):  # staged from a GPU: into the carrier
                 buf[:unit.count] = vec[:unit.count]
-            buf[unit.count:] = [1.0 if bits & b else 0.0 for b in SIGNAL_BITS]
+            buf[unit.count:] = values
             vec = buf
-        seq = rnd * len(self._position) + self._position[unit.id]
+        first = rnd * self._ops_per_round
         nbytes = unit.count * vec.dtype.itemsize
         moved = int(2 * (self.host.world - 1) / self.host.world * nbytes)
+        waiting = [1 if flags is None else 2]
 
-        def summed() -> None:  # on the progress thread
+        def summed() -> None:  # on the progress thread, once per op
+            waiting[0] -= 1
+            if waiting[0]:
+                return
             self.host.ep.stats.add_bytes(unit.id, self.name, True, moved, True)
             self.host.ep.stats.add_bytes(unit.id, self.name, False, moved, True)
             agreed = 0
             if carries:
-                agreed = sum(b for b, f in zip(SIGNAL_BITS, self.flags(vec, unit)) if f > 0)
+                got = self.on_host(flags if flags is not None else vec[unit.count:])
+                agreed = sum(b for b, f in zip(SIGNAL_BITS, got) if f > 0)
             on_done(vec, agreed)
 
-        self.collective.submit(seq, vec, lambda: self.host.call_soon(summed),
-                               f"{unit.name} round {rnd}")
+        def post() -> None:
+            self.host.call_soon(summed)
 
-    def flags(self, vec: Any, unit: Unit) -> Any:
-        """The summed signal values behind a signal unit's gradients, on the host."""
-        return vec[unit.count:]
+        what = f"{unit.name} round {rnd}"
+        self.collective.submit(first + self._position[unit.id], vec, post, what)
+        if flags is not None:
+            self.collective.submit(first + self._ops_per_round - 1, flags, post,
+                                   f"the signals of round {rnd}")
+
+    def signal_vector(self, values: list[float]) -> Any:
+        """A round's signal values as the engine sums them (a fresh vector: the last one may
+        still be in flight)."""
+        return np.array(values, np.float32)
+
+    def on_host(self, summed: Any) -> Any:
+        """Summed signal values, readable on the host."""
+        return summed
 
     # nothing comes over Poseidon's wire for an engine's units
     def check(self, msg: Message, expected_rounds: tuple[int, int]) -> str | None:

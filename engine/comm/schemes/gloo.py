@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import os
-from typing import Any
+from typing import Any, Callable
 
 from .collective import Backend, CollectiveScheme
 
@@ -74,8 +74,17 @@ class GlooBackend(Backend):
     def start(self, vec: Any) -> Any:
         return self.group.allreduce([self.torch.from_numpy(vec)])
 
-    def finish(self, handle: Any) -> None:
-        handle.wait()
+    def then(self, handle: Any, done: Callable[[BaseException | None], None]) -> bool:
+        # Gloo's own thread reports the completion: no thread of ours wakes to wait for it
+        def report(future: Any) -> None:
+            try:
+                future.value()
+            except Exception as e:
+                done(e)
+                return
+            done(None)
+        handle.get_future().add_done_callback(report)
+        return True
 
     def close(self) -> None:
         self.group = None

@@ -21,7 +21,7 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import os
-from typing import Any
+from typing import Any, Callable
 
 from .collective import Backend, CollectiveScheme, EngineError
 
@@ -80,12 +80,7 @@ class MpiBackend(Backend):
 
     def __init__(self, setup: bytes, rank: int, world: int, address: str,
                  timeout: float) -> None:
-        MPI = _mpi()
-        if not MPI.Is_initialized():
-            for var, value in PIN[_family()]:
-                os.environ.setdefault(var, value)
-            MPI.Init_thread(MPI.THREAD_MULTIPLE)
-            atexit.register(_finalize)
+        MPI = init_mpi()
         world_comm = MPI.COMM_WORLD
         if (world_comm.Get_rank(), world_comm.Get_size()) != (rank, world):
             raise EngineError(
@@ -98,6 +93,10 @@ class MpiBackend(Backend):
     def start(self, vec: Any) -> None:
         self.comm.Allreduce(self.MPI.IN_PLACE, vec, op=self.MPI.SUM)
 
+    def then(self, handle: Any, done: Callable[[BaseException | None], None]) -> bool:
+        done(None)  # blocking: complete already, reported from the engine thread
+        return True
+
     def close(self) -> None:
         self.comm.Free()
 
@@ -105,6 +104,17 @@ class MpiBackend(Backend):
     def abandon(cls) -> None:
         global _finalize_at_exit
         _finalize_at_exit = False
+
+
+def init_mpi() -> Any:
+    """mpi4py's MPI, started (once per process) with the ring allreduce pinned."""
+    MPI = _mpi()
+    if not MPI.Is_initialized():
+        for var, value in PIN[_family()]:
+            os.environ.setdefault(var, value)
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        atexit.register(_finalize)
+    return MPI
 
 
 def _finalize() -> None:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..units import Unit
-from .collective import SIGNAL_BITS, Backend, CollectiveScheme
+from .collective import Backend, CollectiveScheme
 
 PIN = (("NCCL_ALGO", "Ring"), ("NCCL_PROTO", "Simple"))
 
@@ -89,6 +89,9 @@ class NcclBackend(Backend):
         done.record(self.stream)
         return done
 
+    def then(self, handle: Any, done: Callable[[BaseException | None], None]) -> bool:
+        return False  # the wait thread waits for the stream's event
+
     def finish(self, handle: Any) -> None:
         handle.synchronize()
 
@@ -115,11 +118,10 @@ class Nccl(CollectiveScheme):
 
     def start(self, unit: Unit, rnd: int, bits: int, captured: Any) -> None:
         backend = self.collective.backend
-        extra = len(SIGNAL_BITS) if unit.id == self.signal_unit else 0
         vec = self._device.get(unit.id)
         if vec is None:
             dtype = unit.params[0].blob.diff.dtype
-            vec = self._device[unit.id] = self.cupy.empty(unit.count + extra, dtype)
+            vec = self._device[unit.id] = self.cupy.empty(unit.count, dtype)
         with backend.stream:
             backend.stream.wait_event(captured)
             offset = 0
@@ -127,9 +129,6 @@ class Nccl(CollectiveScheme):
                 n = int(p.blob.diff.size)
                 vec[offset:offset + n] = p.blob.diff.reshape(-1)
                 offset += n
-            if extra:
-                vec[unit.count:] = self.cupy.asarray(
-                    [1.0 if bits & b else 0.0 for b in SIGNAL_BITS], vec.dtype)
         world = self.host.world
 
         def finish(total: Any, agreed: int) -> None:
@@ -142,5 +141,9 @@ class Nccl(CollectiveScheme):
 
         self.sum_vector(unit, rnd, 0, vec, bits, finish)
 
-    def flags(self, vec: Any, unit: Unit) -> Any:
-        return self.cupy.asnumpy(vec[unit.count:])
+    def signal_vector(self, values: list[float]) -> Any:
+        with self.collective.backend.stream:
+            return self.cupy.asarray(values, np.float32)
+
+    def on_host(self, summed: Any) -> Any:
+        return self.cupy.asnumpy(summed)

@@ -1,0 +1,244 @@
+"""`poseidon bench comm --allreduce`: Poseidon's allreduce schemes beside the engines called
+bare, in the same processes, alternating.
+
+P processes on loopback (started by mpiexec when mpi4py and mpiexec are there, so that MPI is
+measured too; else as plain processes). For each size, every process builds one Syncer per
+scheme (ring, hd, and the engines gloo and mpi: the real path, from the release of a layer of
+that size to its mean applied, through the progress thread and, for an engine, its engine and
+wait threads), and, beside them, the engines called bare: torch.distributed's all_reduce on a
+Gloo process group and mpi4py's Allreduce on MPI_COMM_WORLD, as a user's script would. Each
+repeat runs every peer once, in turn, each after a barrier; a repeat's time is the slowest
+rank's (a collective ends when its slowest rank does), and the row gives the median over the
+repeats. A scheme is timed twice over: from the release of its layer to the mean applied (what
+training waits for: the hand-offs to the progress thread and back, the gathered vector, the
+mean), and its sum alone ("<scheme>: sum": from the gathered vector to the summed one, which
+for an engine is its engine thread, the engine and the completion posted back). Every process
+runs with one BLAS thread.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Poseidon's schemes, then the engines bare
+SCHEMES = ("ring", "hd", "gloo", "mpi")
+BARE = ("torch.distributed gloo", "mpi4py Allreduce")
+#: the scheme each bare call is the engine of
+ENGINE_OF = {"gloo": "torch.distributed gloo", "mpi": "mpi4py Allreduce"}
+SIZES = (64 << 10, 1 << 20, 64 << 20)
+
+
+@dataclass
+class Row:
+    workers: int
+    bytes: int
+    #: peer -> median seconds (the slowest rank's time per repeat)
+    seconds: dict[str, float]
+    repeats: int
+
+    def ratio(self, scheme: str, part: str = "") -> float | None:
+        """An engine scheme's time (``part`` ': sum': its sum alone) over its engine's bare
+        call."""
+        bare = self.seconds.get(ENGINE_OF.get(scheme, ""))
+        mine = self.seconds.get(scheme + part)
+        return mine / bare if mine and bare else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"workers": self.workers, "bytes": self.bytes, "seconds": self.seconds,
+                "repeats": self.repeats,
+                "engine_over_bare": {s: self.ratio(s) for s in ENGINE_OF if self.ratio(s)},
+                "engine_sum_over_bare": {s: self.ratio(s, ": sum") for s in ENGINE_OF
+                                         if self.ratio(s, ": sum")}}
+
+
+def mpi_launcher() -> str | None:
+    """mpiexec, when mpi4py is installed and an mpiexec is on PATH (or beside Python)."""
+    from engine.comm.schemes.mpi import MpiBackend
+    if MpiBackend.missing(False).startswith(("mpi4py is not", "mpi4py finds no")):
+        return None
+    return shutil.which("mpiexec", path=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+
+
+def repeats_for(nbytes: int, budget: int) -> int:
+    return max(5, min(budget, (512 << 20) // max(nbytes, 1)))
+
+
+def run(workers: list[int], sizes: list[int], budget: int,
+        say: Callable[[Row], None] | None = None) -> tuple[list[Row], dict[str, Any]]:
+    """Every worker count and size; (the rows, what ran: the peers and why some did not)."""
+    from engine.comm.auth import KEY_ENV, key_hex, new_key
+    from engine.comm.schemes.gloo import GlooBackend
+    from poseidon_cli.launch.hostfile import free_base_port
+
+    gloo = not GlooBackend.missing(False)
+    mpiexec = mpi_launcher()
+    peers = [s for s in SCHEMES if (s != "gloo" or gloo) and (s != "mpi" or mpiexec)] + \
+        [b for b in BARE if (b != BARE[0] or gloo) and (b != BARE[1] or mpiexec)]
+    notes = {"peers": peers, "gloo": "" if gloo else GlooBackend.missing(False),
+             "mpi": mpiexec or "mpi4py or mpiexec is missing: pip install 'poseidon[mpi]'"}
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="poseidon-bench-allreduce-") as d:
+        for p in workers:
+            # the bare group's store, then each (size, scheme)'s endpoints
+            base = free_base_port((2 + len(sizes) * len(SCHEMES) * (2 * p + 2)) // 2 + 1)
+            config = Path(d) / f"p{p}.json"
+            config.write_text(json.dumps({
+                "world": p, "sizes": sizes, "peers": peers, "base": base,
+                "repeats": [repeats_for(n, budget) for n in sizes], "out": d}))
+            cmd = [sys.executable, "-m", "poseidon_cli.benches.allreduce", str(config)]
+            env = {**os.environ, KEY_ENV: key_hex(new_key()), "OPENBLAS_NUM_THREADS": "1",
+                   "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+            if mpiexec:
+                procs = [subprocess.Popen([mpiexec, "-n", str(p), *cmd], cwd=ROOT, env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True)]
+            else:
+                procs = [subprocess.Popen([*cmd, str(r)], cwd=ROOT, env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True) for r in range(p)]
+            try:
+                outs = [q.communicate(timeout=1800) for q in procs]
+            finally:
+                for q in procs:
+                    if q.poll() is None:
+                        q.kill()
+            failed = [e for q, (_, e) in zip(procs, outs) if q.returncode]
+            if failed:
+                raise RuntimeError(f"bench comm --allreduce, {p} workers: " + " | ".join(
+                    " / ".join(e.strip().splitlines()[-4:]) for e in failed))
+            times = [json.loads((Path(d) / f"p{p}_rank{r}.json").read_text()) for r in range(p)]
+            for k, nbytes in enumerate(sizes):
+                reps = len(times[0][str(nbytes)][peers[0]])
+                seconds = {peer: statistics.median(max(t[str(nbytes)][peer][i] for t in times)
+                                                   for i in range(reps))
+                           for peer in times[0][str(nbytes)]}
+                row = Row(p, nbytes, seconds, reps)
+                rows.append(row)
+                if say is not None:
+                    say(row)
+    return rows, notes
+
+
+# ------------------------------------------------------------------------- one process
+class _Blob:
+    def __init__(self, n: int) -> None:
+        self.data = np.zeros(n, np.float32)
+        self.diff = np.ones(n, np.float32)
+
+
+def _syncer(scheme: str, nbytes: int, rank: int, world: int, base: int, key: bytes) -> Any:
+    """One layer of ``nbytes`` synchronised by ``scheme`` among ``world`` local workers."""
+    from engine.comm.cost import LayerInfo
+    from engine.comm.planner import PlanOptions, make_plan
+    from engine.comm.syncer import Syncer, frame_limit, open_worker
+    from engine.comm.units import LayerSlot, ParamSlot
+    from poseidon_cli.launch.hostfile import parse_hosts_text
+
+    n = nbytes // 4
+    slots = {0: LayerSlot(0, "grad", [ParamSlot(0, "grad/0", _Blob(n), "other")])}
+    infos = [LayerInfo(0, "grad", [(n,)])]
+    hosts = parse_hosts_text("".join(f"{i} 127.0.0.1 {base + 2 * i}\n" for i in range(world)))
+    ep = open_worker(rank, hosts, key=key, timeout=120, shards=False,
+                     max_frame_bytes=frame_limit(slots, world))
+    engines = (scheme,) if scheme in ENGINE_OF else ()
+
+    def planner(link: Any, local: Any, joined: Any) -> Any:
+        return make_plan(infos, world, PlanOptions(comm=scheme, link=link, engines=joined))
+
+    return Syncer(ep, slots, lambda layer: None, planner=planner, levels=False,
+                  engines=engines, required_engines=engines)
+
+
+def child(config_path: str, rank_arg: str | None) -> None:
+    from engine.comm.auth import job_key
+
+    cfg = json.loads(Path(config_path).read_text())
+    world, peers = cfg["world"], cfg["peers"]
+    rank = int(os.environ["PMI_RANK"]) if rank_arg is None else int(rank_arg)
+    key = job_key(None)
+    assert key is not None
+    barrier, bare = _bare_peers(peers, rank, world, cfg["base"])
+    times: dict[str, dict[str, list[float]]] = {}
+    per_size = 2 * world + 2
+    for k, nbytes in enumerate(cfg["sizes"]):
+        syncers = {}
+        for j, scheme in enumerate(s for s in SCHEMES if s in peers):
+            base = cfg["base"] + 2 + (k * len(SCHEMES) + j) * per_size
+            syncers[scheme] = _syncer(scheme, nbytes, rank, world, base, key)
+        buf = np.ones(nbytes // 4, np.float32)
+        row: dict[str, list[float]] = {peer: [] for peer in peers}
+        row.update({f"{s}: sum": [] for s in syncers})
+        spans = {}
+        for s, sync in syncers.items():
+            [scheme] = sync._schemes.values()
+            spans[s] = scheme.spans = []
+
+        def once(peer: str) -> float:
+            barrier()
+            t = time.perf_counter()
+            if peer in syncers:
+                syncers[peer].release(0)
+                syncers[peer].wait(0)
+            else:
+                bare[peer](buf)
+            return time.perf_counter() - t
+
+        for _ in range(2):  # warm-up: connections, first-touch pages
+            for peer in peers:
+                once(peer)
+        for s in spans.values():
+            s.clear()
+        for _ in range(cfg["repeats"][k]):
+            for peer in peers:
+                row[peer].append(once(peer))
+        for s in syncers:
+            row[f"{s}: sum"] = spans[s]
+        for s in syncers.values():
+            s.close()
+        times[str(nbytes)] = row
+    Path(cfg["out"], f"p{world}_rank{rank}.json").write_text(json.dumps(times))
+    barrier()  # every rank wrote its times before any leaves (the launcher ends at the first)
+
+
+def _bare_peers(peers: list[str], rank: int, world: int,
+                port: int) -> tuple[Callable[[], None], dict[str, Callable[[Any], None]]]:
+    """The barrier between measurements, and each engine called bare."""
+    out: dict[str, Callable[[Any], None]] = {}
+    barrier: Callable[[], None] | None = None
+    if BARE[1] in peers:
+        from engine.comm.schemes.mpi import init_mpi
+        MPI = init_mpi()
+        comm = MPI.COMM_WORLD
+        out[BARE[1]] = lambda buf: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        barrier = comm.Barrier
+    if BARE[0] in peers:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=120))
+        out[BARE[0]] = lambda buf: dist.all_reduce(torch.from_numpy(buf))
+        barrier = barrier or dist.barrier
+    if barrier is None:
+        raise RuntimeError("bench comm --allreduce needs PyTorch or MPI for its barrier")
+    return barrier, out
+
+
+if __name__ == "__main__":
+    child(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
+    sys.stdout.flush()
+    os._exit(0)  # without gloo's and MPI's teardown: every rank wrote its times
