@@ -161,8 +161,14 @@ class _Recorder(Backend):
         return False  # the wait thread's path
 
 
-def test_the_engine_thread_issues_in_the_one_order_whatever_order_ops_come_in():
-    c = Collective(_Recorder, b"", 0, 2, "127.0.0.1", 5.0, lambda why: None)
+class _BlockingRecorder(_Recorder):
+    blocking = True
+
+
+@pytest.mark.parametrize("backend", [_Recorder, _BlockingRecorder], ids=["issued in turn",
+                                                                        "blocking"])
+def test_ops_are_issued_in_the_one_order_whatever_order_they_come_in(backend):
+    c = Collective(backend, b"", 0, 2, "127.0.0.1", 5.0, lambda why: None)
     try:
         done = threading.Semaphore(0)
         for seq in (2, 0, 3, 1, 5, 4):
@@ -170,7 +176,8 @@ def test_the_engine_thread_issues_in_the_one_order_whatever_order_ops_come_in():
         for _ in range(6):
             assert done.acquire(timeout=5)
         assert c.backend.order == [0, 1, 2, 3, 4, 5]
-        assert c.backend.threads == {"poseidon-recorder"}  # joined and issued on one thread
+        # a blocking engine's ops are issued by its engine thread, which also joined it
+        assert (c.backend.threads == {"poseidon-recorder"}) == backend.blocking
     finally:
         c.close()
 
@@ -233,6 +240,8 @@ class _HubScheme(CollectiveScheme):
 
 
 class _Host:
+    """What the syncer offers the scheme: ``done`` records each applied round."""
+
     def __init__(self, rank: int) -> None:
         from engine.comm.codecs import Codec
         from engine.comm.stats import CommStats
@@ -240,6 +249,7 @@ class _Host:
         self.ep = type("Ep", (), {"stats": CommStats()})()
         self.signal_unit = 1
         self.events: list = []
+        self.applied: list = []
         self.lock = threading.Condition()
         self.collectives = {"hub": Collective(_HubBackend, b"", rank, 2, "", 5.0,
                                               lambda why: None)}
@@ -249,8 +259,11 @@ class _Host:
             self.events.append(fn)
             self.lock.notify_all()
 
+    def done(self, unit, rnd: int, bits: int) -> None:
+        self.applied.append((rnd, unit.id, float(unit.params[0].blob.diff[0]), bits))
+
     def run_until(self, done: list, n: int) -> None:
-        """The progress loop: run posted completions until ``n`` units are done."""
+        """The progress loop: run posted completions until ``done`` holds ``n``."""
         deadline = time.monotonic() + 10
         while len(done) < n:
             with self.lock:
@@ -260,13 +273,15 @@ class _Host:
             fn()
 
 
+@pytest.mark.parametrize("path", ["at release", "from the progress thread"])
 @pytest.mark.parametrize("signal_floats", [3, (256 << 10) // 4],
                          ids=["signals behind the gradients", "signals apart"])
-def test_two_ranks_sum_in_one_order_and_agree_on_every_signal(signal_floats):
-    """The engine layer's multi-rank logic with an in-process engine: three units a round,
-    released by the two ranks in opposite orders, summed in the one order; the signal one
-    rank raised reaches both, whether it rides behind the signal unit or in an op of its
-    own."""
+def test_two_ranks_sum_in_one_order_and_agree_on_every_signal(signal_floats, path):
+    """The engine layer's multi-rank logic with an in-process engine: three units a round, the
+    progress threads of the two ranks start them in other orders, and each is summed in the
+    one order; the signal one rank raised reaches both, whether it rides behind the signal
+    unit or in an op of its own. Host gradients are issued at release; a GPU's (staged) and
+    NCCL's from the progress thread."""
     from engine.comm.units import LayerSlot, ParamSlot, Unit
 
     class Blob:
@@ -274,7 +289,7 @@ def test_two_ranks_sum_in_one_order_and_agree_on_every_signal(signal_floats):
             self.data = np.zeros(n, np.float32)
             self.diff = np.full(n, v, np.float32)
 
-    hosts, schemes, done = [], [], [[], []]
+    hosts, schemes = [], []
     for rank in range(2):
         host = _Host(rank)
         units = [Unit([LayerSlot(i, f"l{i}", [ParamSlot(i, f"l{i}/0",
@@ -285,23 +300,28 @@ def test_two_ranks_sum_in_one_order_and_agree_on_every_signal(signal_floats):
     try:
         for rnd in range(2):
             for rank, (scheme, units) in enumerate(schemes):
-                # rank 1 raises STOP in round 1; rank 0 starts its units in another order
+                bits = 2 if (rank, rnd) == (1, 1) else 0  # rank 1 raises STOP in round 1
+                released = {u.id: scheme.capture(u, rnd, bits) if path == "at release"
+                            else None for u in units[::-1]}  # backward: the highest first
+                # rank 0's progress thread starts them in another order
                 order = units[::-1] if rank == 1 else [units[1], units[0], units[2]]
                 for u in order:
-                    bits = 2 if (rank, rnd) == (1, 1) else 0
-                    diff = u.params[0].blob.diff
+                    if path == "at release":
+                        scheme.start(u, rnd, bits, released[u.id])
+                    else:
+                        diff = u.params[0].blob.diff
 
-                    def finish(total, agreed, r=rank, u=u, rnd=rnd, diff=diff) -> None:
-                        diff[...] = total[:diff.size]  # as the scheme's caller scatters it
-                        done[r].append((rnd, u.id, float(total[0]), agreed))
-                    scheme.sum_vector(u, rnd, 0, diff.reshape(-1), bits, finish)
-            for rank, host in enumerate(hosts):
-                host.run_until(done[rank], 3 * (rnd + 1))
-        for rank in range(2):
-            got = {(rnd, uid): (value, agreed) for rnd, uid, value, agreed in done[rank]}
-            for uid in (1, 2, 3):  # each round doubles the in-place sum of ranks 0 and 1
-                assert got[(0, uid)] == (2 * uid + 1, 0)
-                assert got[(1, uid)] == (2 * (2 * uid + 1), 2 if uid == 1 else 0)
+                        def finish(total, agreed, u=u, rnd=rnd, diff=diff, host=hosts[rank]):
+                            diff[...] = total[:diff.size] / 2  # the mean, as start's finish
+                            host.done(u, rnd, agreed)
+                        scheme.sum_vector(u, rnd, 0, diff.reshape(-1), bits, finish)
+            for host in hosts:
+                host.run_until(host.applied, 3 * (rnd + 1))
+        for host in hosts:
+            got = {(rnd, uid): (value, agreed) for rnd, uid, value, agreed in host.applied}
+            for uid in (1, 2, 3):  # ranks 0 and 1 start with uid and uid + 1: their mean
+                assert got[(0, uid)] == ((2 * uid + 1) / 2, 0)
+                assert got[(1, uid)] == ((2 * uid + 1) / 2, 2 if uid == 1 else 0)
     finally:
         for host in hosts:
             host.collectives["hub"].close()

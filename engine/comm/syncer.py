@@ -250,7 +250,7 @@ class Syncer:
             if complete:
                 del self._pending[(unit.id, rnd)]
         if complete:
-            captured = self._schemes[unit.scheme].capture(unit)
+            captured = self._schemes[unit.scheme].capture(unit, rnd, pend[1])
             self._events.put(("start", unit, rnd, pend[1], captured, pend[2]))
 
     def wait(self, layer: int) -> None:

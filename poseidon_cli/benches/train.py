@@ -153,6 +153,11 @@ class Loopback:
     def start(self, rank: int, argv: list[str], **popen: Any) -> subprocess.Popen:
         return subprocess.Popen(argv, start_new_session=True, **popen)
 
+    def start_mpi(self, mpiexec: str, argv: list[str], **popen: Any) -> subprocess.Popen:
+        """Every worker at once, as MPI's ranks: ``mpiexec -n P argv``."""
+        return subprocess.Popen([mpiexec, "-n", str(len(self.addresses)), *argv],
+                                start_new_session=True, **popen)
+
     def __enter__(self) -> "Loopback":
         return self
 
@@ -183,6 +188,20 @@ class Emulated:
         env = {**popen.pop("env", os.environ), "GLOO_SOCKET_IFNAME": f"{self.cluster.tag}n{rank}"}
         return self.cluster.run(rank, argv, env=env, **popen)
 
+    def start_mpi(self, mpiexec: str, argv: list[str], **popen: Any) -> subprocess.Popen:
+        """Every worker at once, as MPI's ranks, each in its namespace (an MPMD line per
+        rank): MPI's messages go over the shaped links (UCX's TCP on the rank's own end;
+        no shared memory between ranks that MPI sees on one machine)."""
+        line: list[str] = []
+        for rank, ns in enumerate(self.cluster.namespaces):
+            line += ([":"] if line else []) + [
+                "-n", "1", "-env", "MPIR_CVAR_NOLOCAL", "1", "-env", "UCX_TLS", "tcp,self",
+                "-env", "UCX_NET_DEVICES", self.cluster.interface(rank),
+                "ip", "netns", "exec", ns, *argv]
+        proc = subprocess.Popen([mpiexec, *line], start_new_session=True, **popen)
+        self.cluster.procs.append(proc)
+        return proc
+
     def __enter__(self) -> "Emulated":
         self.cluster.__enter__()
         return self
@@ -210,14 +229,18 @@ def _wait_all(procs: list[subprocess.Popen], what: str) -> list[tuple[str, str]]
 
 
 def run_poseidon(work: Path, db: Path, workers: int, variant: str, iters: int,
-                 net: str = "fc", bits_per_s: float | None = None) -> dict[str, Any]:
-    """One training run; ``variant`` is a scheme and maybe train options ('ring:--fusion-mb=4').
-    Each rank is started on its own (in its namespace with ``bits_per_s``) with a fresh key."""
+                 net: str = "fc", bits_per_s: float | None = None,
+                 common: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One training run; ``variant`` is a scheme and maybe train options ('ring:--fusion-mb=4'),
+    ``common`` options every variant takes. Each rank is started on its own (in its namespace
+    with ``bits_per_s``) with a fresh key; for the mpi scheme, all by one mpiexec."""
     from engine.comm.auth import KEY_ENV, key_hex, new_key
 
+    from .allreduce import mpi_launcher
     from .cluster import split_variant
 
     comm, extra = split_variant(variant)
+    extra = [*common, *extra]
     d = work / f"{net}_p{workers}_{len(list(work.glob('*')))}"
     d.mkdir(parents=True)
     (d / "net.prototxt").write_text(NETS[net][0].format(db=db, batch=BATCH))
@@ -230,10 +253,17 @@ def run_poseidon(work: Path, db: Path, workers: int, variant: str, iters: int,
         if workers > 1:
             (d / "hosts").write_text(place.hosts_text())
             cmd += ["--hosts", str(d / "hosts"), "--comm", comm, *extra]
-        procs = [place.start(r, cmd + (["--rank", str(r)] if workers > 1 else [])
-                             + (["--stats", str(stats)] if workers > 1 and r == 0 else []),
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=env) for r in range(workers)]
+        io = dict(cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        if workers > 1 and comm == "mpi":  # MPI's launcher starts the ranks (rank 0 the stats)
+            mpiexec = mpi_launcher()
+            if mpiexec is None:
+                raise RuntimeError("the mpi scheme needs mpi4py and mpiexec: pip install "
+                                   "'poseidon[mpi]'")
+            procs = [place.start_mpi(mpiexec, cmd + ["--stats", str(stats)], **io)]
+        else:
+            procs = [place.start(r, cmd + (["--rank", str(r)] if workers > 1 else [])
+                                 + (["--stats", str(stats)] if workers > 1 and r == 0 else []),
+                                 **io) for r in range(workers)]
         outs = _wait_all(procs, f"poseidon P={workers} {variant}")
     log = outs[0][1]
     rates = [float(m) for m in re.findall(r"Iteration \d+ \(([\d.e+-]+) iter/s", log)]
@@ -268,7 +298,8 @@ def run_ddp(db: Path, workers: int, iters: int, net: str = "fc",
 
 def run(workers: list[int], comms: list[str], iters: int, work: Path, with_ddp: bool,
         say: Callable[[str], None] = print, nets: tuple[str, ...] = ("fc",),
-        repeats: int = 1, bits_per_s: float | None = None) -> dict[str, Any]:
+        repeats: int = 1, bits_per_s: float | None = None,
+        common: tuple[str, ...] = ()) -> dict[str, Any]:
     """Every (net, P) runs DDP and each scheme ``repeats`` times, alternating; the rates are
     the medians of the repeats. With ``bits_per_s`` every worker of both runs in a network
     namespace of its own, its link shaped to that rate each way."""
@@ -277,7 +308,7 @@ def run(workers: list[int], comms: list[str], iters: int, work: Path, with_ddp: 
     convert_digits(work / "digits")
     db = work / "digits" / "digits_train_lmdb"
     results: dict[str, Any] = {"batch_per_worker": BATCH, "iters": iters, "repeats": repeats,
-                               "link_bits_per_s": bits_per_s,
+                               "link_bits_per_s": bits_per_s, "options": list(common),
                                "cpu_count": os.cpu_count(), "poseidon": [], "ddp": []}
     for net in nets:
         for n in workers:
@@ -287,7 +318,8 @@ def run(workers: list[int], comms: list[str], iters: int, work: Path, with_ddp: 
                     runs.setdefault("ddp", []).append(run_ddp(db, n, iters, net, bits_per_s))
                 for comm in (comms if n > 1 else ["-"]):
                     runs.setdefault(comm, []).append(
-                        run_poseidon(work / f"r{k}", db, n, comm, iters, net, bits_per_s))
+                        run_poseidon(work / f"r{k}", db, n, comm, iters, net, bits_per_s,
+                                     common))
             ddp = _median_run(runs["ddp"]) if with_ddp else None
             if ddp:
                 results["ddp"].append(ddp)

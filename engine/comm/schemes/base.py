@@ -126,8 +126,9 @@ class Scheme(ABC):
                chunk_bytes: int, wire_itemsize: int) -> LayerTiming:
         """The cost of synchronising one layer (a planner LayerInfo) among ``world`` workers."""
 
-    def capture(self, unit: Unit) -> Any:
-        """On the training thread at release: what must be copied before the next forward."""
+    def capture(self, unit: Unit, rnd: int, bits: int) -> Any:
+        """On the training thread at release of round ``rnd`` (this worker's signal
+        ``bits``): what must be copied before the next forward."""
         return None
 
     @abstractmethod
@@ -175,7 +176,7 @@ class DenseScheme(Scheme):
         #: (`poseidon bench comm --allreduce` sets it)
         self.spans: list[float] | None = None
 
-    def capture(self, unit: Unit) -> Staged | None:
+    def capture(self, unit: Unit, rnd: int, bits: int) -> Staged | None:
         # a GPU's gradients start for the host now, beside the backward of the layers below
         return self._staging.begin(unit)
 

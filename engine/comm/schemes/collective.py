@@ -40,13 +40,14 @@ from typing import Any, Callable, ClassVar, Sequence
 
 import numpy as np
 
+from engine import timeline
 from engine.pb import poseidon_pb2 as pb
 
 from ..cost import Device, LayerTiming
 from ..errors import CommError
 from ..link import Link
 from ..transport import WORKER, Message, PeerId
-from ..units import Unit
+from ..units import Unit, gather, is_view, scatter_mean
 from .base import DenseScheme
 
 #: the request bits a signal unit carries, one value each behind its gradients
@@ -96,6 +97,9 @@ class Backend(ABC):
     install: ClassVar[str]
     #: it sums device (GPU) vectors in place (NCCL); else host vectors
     on_device: ClassVar[bool] = False
+    #: ``start`` returns only once the sum is complete (MPI's blocking collectives): ops are
+    #: issued from the engine thread; else from whichever thread submits the op in turn
+    blocking: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -155,10 +159,10 @@ _STOP = object()
 
 
 class Collective:
-    """A backend joined to one job: its engine thread (the join, the ops issued strictly in
-    sequence order, the leave) and, for an engine that cannot call back, a wait thread that
-    waits for each issued op in turn. Completions go to each op's ``done``, on whichever
-    thread saw them."""
+    """A backend joined to one job: its engine thread (the join, the probe, the leave, and a
+    blocking engine's ops), the ops issued strictly in sequence order, and, for an engine
+    that cannot call back, a wait thread that waits for each issued op in turn. Completions
+    go to each op's ``done``, on whichever thread saw them."""
 
     def __init__(self, backend: type[Backend], setup: bytes, rank: int, world: int,
                  address: str, timeout: float, on_error: Callable[[str], None]) -> None:
@@ -172,7 +176,7 @@ class Collective:
         #: the sequence number issued next, and ops that came before their turn
         self._next = 0
         self._early: dict[int, tuple[Any, Callable[[], None], str]] = {}
-        self._lock = threading.Lock()
+        self._order = threading.Lock()
         self.failed: str | None = None
         enter = backend.thread_context()
         self._threads = [threading.Thread(target=self._engine_loop, args=(enter,),
@@ -199,11 +203,31 @@ class Collective:
 
     def submit(self, seq: int, vec: Any, done: Callable[[], None], what: str) -> None:
         """Allreduce ``vec`` in place as operation ``seq`` of the job's one order (0, 1, 2,
-        ...); ``done()`` once complete (on an engine's thread)."""
-        self._calls.put(("op", seq, vec, done, what))
+        ...); ``done()`` once complete (on an engine's thread). A blocking engine's ops go
+        to the engine thread; another's are issued here when it is their turn (a thread
+        hand-off at every release costs a scheduling delay where the cores are busy with
+        backward), else by the op before them."""
+        if self.backend_class.blocking:
+            self._calls.put(("op", seq, vec, done, what))
+            return
+        with self._order:
+            self._take(seq, vec, done, what)
 
-    def _issue(self, seq: int, vec: Any, on_done: Callable[[], None], what: str) -> None:
+    def _take(self, seq: int, vec: Any, done: Callable[[], None], what: str) -> None:
+        """Hold op ``seq``, then issue every op whose turn it is (under ``_order``)."""
+        self._early[seq] = (vec, done, what)
+        while self._next in self._early and self.failed is None:
+            self._issue(*self._early.pop(self._next))
+
+    def _issue(self, vec: Any, on_done: Callable[[], None], what: str) -> None:
         self._next += 1
+        tl = timeline.current
+        if tl.active:  # the allreduce on the engine thread, from its issue to its end
+            began, inner = tl.now(), on_done
+
+            def on_done() -> None:
+                tl.complete(f"{self.name} {what}", "allreduce", began)
+                inner()
         try:
             handle = self.backend.start(vec)
             if not self.backend.then(handle, self._completion(on_done, what)):
@@ -226,11 +250,7 @@ class Collective:
                     box["error"] = e
                 done.set()
                 continue
-            _, seq, vec, on_done, what = item
-            with self._lock:
-                self._early[seq] = (vec, on_done, what)
-                while self._next in self._early and self.failed is None:
-                    self._issue(self._next, *self._early.pop(self._next))
+            self._take(*item[1:])
 
     def _completion(self, on_done: Callable[[], None],
                     what: str) -> Callable[[BaseException | None], None]:
@@ -278,6 +298,40 @@ class Collective:
         self._calls.put(_STOP)
         for t in self._threads:
             t.join(timeout=2)
+
+
+class _Issued:
+    """A unit's round issued at release: its completions (from an engine's thread) and its
+    finish (attached on the progress thread); whichever comes last runs the finish on the
+    progress thread."""
+    __slots__ = ("host", "began", "vec", "flags", "_lock", "_left", "_finish")
+
+    def __init__(self, host: Any, began: float) -> None:
+        self.host, self.began = host, began
+        self.vec: Any = None
+        self.flags: Any = None
+        self._lock = threading.Lock()
+        self._left = 0
+        self._finish: Callable[[], None] | None = None
+
+    def completed(self) -> None:
+        """One of the round's ops is complete (any thread)."""
+        with self._lock:
+            self._left += 1
+            ready = self._finish is not None and self._left == self._ops()
+        if ready:
+            self.host.call_soon(self._finish)
+
+    def attach(self, finish: Callable[[], None]) -> None:
+        """The progress thread's finish; run at once when every op is complete already."""
+        with self._lock:
+            self._finish = finish
+            ready = self._left == self._ops()
+        if ready:
+            finish()
+
+    def _ops(self) -> int:
+        return 1 if self.flags is None else 2
 
 
 def _first_line(e: BaseException) -> str:
@@ -395,44 +449,88 @@ class CollectiveScheme(DenseScheme):
         return LayerTiming(info.name, cls.name, moved, moved, span, span, 0.0, 0.0,
                            0.0 if device.update_on_device else update, update)
 
+    def capture(self, unit: Unit, rnd: int, bits: int) -> Any:
+        """On the training thread at release: host gradients are gathered and their sum is
+        issued now, in the one order (release order is that order); a GPU's are staged for
+        the host first and issued from the progress thread (``start``)."""
+        staged = super().capture(unit, rnd, bits)
+        if staged is not None:
+            return staged
+        if unit.id not in self._buffers and not is_view(unit):
+            self._buffers[unit.id] = np.empty(unit.count,
+                                              np.dtype(unit.params[0].blob.diff.dtype))
+        vec = gather(unit, self._buffers.get(unit.id))
+        issued = _Issued(self.host, time.perf_counter())
+        issued.vec, issued.flags = self._issue(unit, rnd, vec, bits, issued.completed)
+        return issued
+
+    def start(self, unit: Unit, rnd: int, bits: int, captured: Any) -> None:
+        if not isinstance(captured, _Issued):  # staged from a GPU: issued from here
+            super().start(unit, rnd, bits, captured)
+            return
+        world, spans = self.host.world, self.spans
+
+        def finish() -> None:  # on the progress thread
+            if spans is not None:
+                spans.append(time.perf_counter() - captured.began)
+            vec = captured.vec
+            agreed = self._agreed(unit, vec, captured.flags)
+            scatter_mean(unit, vec, world, vec)
+            self.host.done(unit, rnd, agreed)
+
+        captured.attach(finish)
+
     def sum_vector(self, unit: Unit, rnd: int, phase: int, vec: Any, bits: int,
                    on_done: Callable[[Any, int], None]) -> None:
-        carries = unit.id == self.signal_unit
-        values = [1.0 if bits & b else 0.0 for b in SIGNAL_BITS]
-        flags = None
-        if carries and self._signals_apart:
-            flags = self.signal_vector(values)
-        elif carries:
-            buf = self._buffers[unit.id]
-            if not np.shares_memory(buf, vec):  # staged from a GPU: into the carrier
-                buf[:unit.count] = vec[:unit.count]
-            buf[unit.count:] = values
-            vec = buf
-        first = rnd * self._ops_per_round
-        nbytes = unit.count * vec.dtype.itemsize
-        moved = int(2 * (self.host.world - 1) / self.host.world * nbytes)
-        waiting = [1 if flags is None else 2]
+        """A unit's vector from the progress thread (staged from a GPU, or NCCL's)."""
+        box: list[Any] = []
+        waiting = [0]
 
         def summed() -> None:  # on the progress thread, once per op
             waiting[0] -= 1
-            if waiting[0]:
-                return
-            self.host.ep.stats.add_bytes(unit.id, self.name, True, moved, True)
-            self.host.ep.stats.add_bytes(unit.id, self.name, False, moved, True)
-            agreed = 0
-            if carries:
-                got = self.on_host(flags if flags is not None else vec[unit.count:])
-                agreed = sum(b for b, f in zip(SIGNAL_BITS, got) if f > 0)
-            on_done(vec, agreed)
+            if not waiting[0]:
+                on_done(box[0], self._agreed(unit, box[0], box[1]))
 
         def post() -> None:
             self.host.call_soon(summed)
 
-        what = f"{unit.name} round {rnd}"
-        self.collective.submit(first + self._position[unit.id], vec, post, what)
+        waiting[0] = 1 + (unit.id == self.signal_unit and self._signals_apart)
+        box.extend(self._issue(unit, rnd, vec, bits, post))
+
+    def _issue(self, unit: Unit, rnd: int, vec: Any, bits: int,
+               done: Callable[[], None]) -> tuple[Any, Any]:
+        """Submit a unit's round (and, for the signal unit, its signals); ``done()`` once per
+        op submitted. (the vector summed, the signal vector or None)."""
+        flags = None
+        if unit.id == self.signal_unit:
+            values = [1.0 if bits & b else 0.0 for b in SIGNAL_BITS]
+            if self._signals_apart:
+                flags = self.signal_vector(values)
+            else:
+                buf = self._buffers[unit.id]
+                if not np.shares_memory(buf, vec):  # a view or a staged vector: copied in
+                    buf[:unit.count] = vec[:unit.count]
+                buf[unit.count:] = values
+                vec = buf
+        first = rnd * self._ops_per_round
+        moved = int(2 * (self.host.world - 1) / self.host.world * unit.count
+                    * vec.dtype.itemsize)
+        stats = self.host.ep.stats
+        stats.add_bytes(unit.id, self.name, True, moved, True)
+        stats.add_bytes(unit.id, self.name, False, moved, True)
+        self.collective.submit(first + self._position[unit.id], vec, done,
+                               f"{unit.name} round {rnd}")
         if flags is not None:
-            self.collective.submit(first + self._ops_per_round - 1, flags, post,
+            self.collective.submit(first + self._ops_per_round - 1, flags, done,
                                    f"the signals of round {rnd}")
+        return vec, flags
+
+    def _agreed(self, unit: Unit, vec: Any, flags: Any) -> int:
+        """The signal bits every worker raised this round (the signal unit's; 0 else)."""
+        if unit.id != self.signal_unit:
+            return 0
+        got = self.on_host(flags if flags is not None else vec[unit.count:])
+        return sum(b for b, f in zip(SIGNAL_BITS, got) if f > 0)
 
     def signal_vector(self, values: list[float]) -> Any:
         """A round's signal values as the engine sums them (a fresh vector: the last one may

@@ -51,6 +51,7 @@ def _family() -> str:
 
 class MpiBackend(Backend):
     name = "mpi"
+    blocking = True
     install = "pip install 'poseidon[mpi]' (mpi4py and MPICH)"
 
     @classmethod

@@ -77,16 +77,18 @@ class NcclBackend(Backend):
             os.environ.setdefault(var, value)
         uid = tuple(b - 256 if b > 127 else b for b in setup)
         self.cupy, self.nccl = cupy, nccl
+        self.device = cupy.cuda.Device().id  # the engine thread's: the worker's GPU
         self.stream = cupy.cuda.Stream()  # blocking: ordered after the default stream's work
         self.comm = nccl.NcclCommunicator(world, uid, rank)
 
     def start(self, vec: Any) -> Any:
         dtype = {np.dtype("float32"): self.nccl.NCCL_FLOAT32,
                  np.dtype("float64"): self.nccl.NCCL_FLOAT64}[vec.dtype]
-        self.comm.allReduce(vec.data.ptr, vec.data.ptr, vec.size, dtype, self.nccl.NCCL_SUM,
-                            self.stream.ptr)
-        done = self.cupy.cuda.Event(block=True, disable_timing=True)
-        done.record(self.stream)
+        with self.cupy.cuda.Device(self.device):  # whichever thread issues it
+            self.comm.allReduce(vec.data.ptr, vec.data.ptr, vec.size, dtype,
+                                self.nccl.NCCL_SUM, self.stream.ptr)
+            done = self.cupy.cuda.Event(block=True, disable_timing=True)
+            done.record(self.stream)
         return done
 
     def then(self, handle: Any, done: Callable[[BaseException | None], None]) -> bool:
@@ -110,7 +112,7 @@ class Nccl(CollectiveScheme):
         self.cupy = cupy
         self._device: dict[int, Any] = {}
 
-    def capture(self, unit: Unit) -> Any:
+    def capture(self, unit: Unit, rnd: int, bits: int) -> Any:
         # on the training thread: the compute stream's work up to this release
         mark = self.cupy.cuda.Event(block=False, disable_timing=True)
         mark.record()

@@ -105,7 +105,7 @@ class SFB(Scheme):
         return {FACTORS: k, UP: k, PEER: slots * k, DOWN: self.host.world * k}[op]
 
     # ---------------------------------------------------------------------------- rounds
-    def capture(self, unit: Unit) -> list[np.ndarray]:
+    def capture(self, unit: Unit, rnd: int, bits: int) -> list[np.ndarray]:
         # copies: the next forward may overwrite the layer's input before they are sent
         [slot] = unit.layers
         return [np.array(backend.to_numpy(a), copy=True) for a in slot.factors()]  # type: ignore[misc]
