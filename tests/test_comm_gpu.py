@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from engine import backend
+from engine.comm.schemes.gloo import GlooBackend
+from engine.comm.schemes.nccl import NcclBackend
 from tests.test_comm_train import (BOUND, ITERS, TOTAL_BATCH, digits_db, poseidon,  # noqa: F401
                                    relative_distance, weights, write_run)
 
@@ -38,9 +40,30 @@ def test_one_gpu_worker_trains_as_the_cpu_does(digits_db, gpu_reference, tmp_pat
     assert max(relative_distance(gpu_reference, cpu).values()) <= BOUND
 
 
-@pytest.mark.parametrize("comm", ["ps", "sfb", "hybrid", "ring", "shm"])
+@pytest.mark.parametrize("comm", ["ps", "sfb", "hybrid", "ring", "shm", "gloo"])
 def test_two_workers_sharing_gpu_0_equal_one_gpu_worker_with_twice_the_batch(
         comm, digits_db, gpu_reference, tmp_path):  # noqa: F811
+    if comm == "gloo" and GlooBackend.missing(True):
+        pytest.skip(f"gloo: {GlooBackend.missing(True)}")
+    # (gloo: the GPU's gradients are staged to the host and summed there by Gloo)
     got = train(tmp_path, digits_db, TOTAL_BATCH // 2, "n2", "-n", "2", "--gpu", "0",
                 "--comm", comm)
+    assert max(relative_distance(got, gpu_reference).values()) <= BOUND
+
+
+def test_one_nccl_rank_on_gpu_0_trains_as_one_gpu_worker(digits_db, gpu_reference,  # noqa: F811
+                                                        tmp_path):
+    """NCCL's plumbing, one rank (NCCL refuses two on one GPU): the unique id in the
+    handshake, a communicator, the gather, allreduce and mean on the device, the signal op,
+    the probe. The sum of one rank is the rank's own gradient, so the run equals one GPU
+    worker."""
+    if NcclBackend.missing(True):
+        pytest.skip(f"nccl: {NcclBackend.missing(True)}")
+    solver = write_run(tmp_path, digits_db, TOTAL_BATCH, "nccl")
+    done = poseidon("train", "--solver", str(solver), "-n", "1", "--gpu", "0", "--comm", "nccl",
+                    "--fusion-mb", "0", timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Collective engine nccl joined (NCCL " in done.stderr
+    assert "travel on nccl (" in done.stderr
+    got = weights(tmp_path / f"nccl_iter_{ITERS}.caffemodel")
     assert max(relative_distance(got, gpu_reference).values()) <= BOUND

@@ -177,6 +177,7 @@ class Collective:
         self._next = 0
         self._early: dict[int, tuple[Any, Callable[[], None], str]] = {}
         self._order = threading.Lock()
+        self._closed = False
         self.failed: str | None = None
         enter = backend.thread_context()
         self._threads = [threading.Thread(target=self._engine_loop, args=(enter,),
@@ -280,12 +281,18 @@ class Collective:
     def _fail(self, what: str, e: BaseException) -> None:
         if self.failed is None:
             self.failed = f"the {self.name} allreduce of {what} failed: {_first_line(e)}"
-            self._on_error(self.failed)
+            if self._closed:  # a job that ended already (its peers left): nobody to tell
+                return
+            try:
+                self._on_error(self.failed)
+            except Exception:  # noqa: BLE001 - an engine's thread must not die of the report
+                pass
 
     def close(self, clean: bool = True) -> None:
         """Leave the engine once every issued allreduce is done (on the engine thread, after
         them). Not ``clean`` (the job failed): a collective may never complete, and a thread
         blocked in one is left behind (a daemon)."""
+        self._closed = True
         left = False
         if self.failed is None and clean:
             try:
@@ -413,6 +420,9 @@ class CollectiveScheme(DenseScheme):
     leveled = False
     #: an elastic job can rebuild it for each generation's workers
     elastic: ClassVar[bool] = True
+    #: a bucket costs the engine's steps, whatever its size, and the engine pipelines a large
+    #: one itself (DDP's buckets are 25 MB): --fusion-ms bounds a bucket, not --fusion-mb
+    fusion_capped = False
 
     def __init__(self, host: Any, units: Sequence[Unit], chunk_bytes: int,
                  groups: Sequence[tuple[int, ...]] | None = None, mine: int = 0) -> None:
