@@ -30,15 +30,8 @@ from engine.comm.auth import KEY_ENV, key_hex, new_key
 from engine.comm.cost import LayerInfo
 from engine.comm.link import Link
 from engine.comm.planner import EngineMismatch, PlanMismatch, PlanOptions, make_plan, pin_plan
-from engine.comm.schemes.collective import (
-    SIGNAL_BITS,
-    Backend,
-    Collective,
-    CollectiveScheme,
-    EngineCost,
-    ring_link,
-    ring_time,
-)
+from engine.comm.engines import Backend, Collective, EngineCost, ring_link, ring_time
+from engine.comm.schemes.collective import SIGNAL_BITS, CollectiveScheme
 from engine.comm.schemes.gloo import GlooBackend
 from engine.comm.schemes.mpi import MpiBackend
 from poseidon_cli.launch.config import JobConfig

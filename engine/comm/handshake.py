@@ -25,12 +25,13 @@ from typing import Any, Callable, Collection, Mapping, NoReturn, Sequence
 from engine.pb import poseidon_pb2 as pb
 
 from .codecs import Codec, make_codec
+from .engines import Collective, EngineCost, EngineError
+from .engines import probe as probe_engine
 from .errors import CommError
 from .link import Link
 from .planner import DEFAULT_LINK, Plan
 from .probe import probe_link
 from .schemes import SCHEMES
-from .schemes.collective import Collective, EngineCost, EngineError, probe as probe_engine
 from .schemes.ps import layout_digest
 from .topology import Topology
 from .transport import SHARD, WORKER, Endpoint, header, message_key

@@ -35,10 +35,10 @@ from .cost import (
     cost_sfb,
     level_timing,
 )
+from .engines import EngineCost
 from .fusion import buckets
 from .link import Link
 from .schemes import SCHEMES
-from .schemes.collective import EngineCost
 from .schemes.ps import DEFAULT_CHUNK_BYTES
 
 #: what --comm takes: the planner's two modes, then every registered scheme

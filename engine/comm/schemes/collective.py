@@ -1,28 +1,23 @@
-"""Collective engines (Gloo, MPI, NCCL) as schemes: the layer the three backends share.
+"""Collective engines (Gloo, MPI, NCCL) as schemes: what the three backends' schemes share.
 
 A cluster that already runs a collective engine tuned for its fabric (MPI on InfiniBand, NCCL
 on NVLink, Gloo on Ethernet) can sum a dense unit's gradients there instead of on Poseidon's
-own transport. A backend (``Backend``: gloo.py, mpi.py and nccl.py beside this module) knows one
-library's allreduce; this module gives every backend the same life in a job:
+own transport. The engine layer (engine/comm/engines.py) joins a backend to the job and issues
+its ops in the one order every worker shares; this module makes a scheme of it:
 
-- **Set-up** (engine/comm/handshake.py ``join_engines``): rank 0 makes the engine's rendezvous
-  (a TCP store, an NCCL id) and sends it in the authenticated ENGINE message; every worker
-  joins (``Collective``), and all run the start-up probe (``probe``): a small and a 4 MB
-  allreduce on the engine itself, fitted as a ring's alpha and beta, which is what the
-  planner prices the engine's layers with.
-- **One order.** A collective engine matches operations by the order they are issued, so
-  every worker must issue the same ones in the same order. The *engine thread* issues a
-  scheme's allreduces strictly in (round, unit) order, units in release order (the order
-  backward completes them, the same on every worker: DDP issues its buckets so), never in the
-  order they happen to be ready; a unit that is ready early waits for its turn.
-- **Completion.** A *wait thread* waits for each issued allreduce in turn and posts its
-  completion into the syncer's progress loop (``Host.call_soon``), where the unit's mean is
-  applied exactly as every other scheme's is.
+- **One order.** Round by round, each round's units in release order (backward completes them
+  so on every worker, as DDP issues its buckets), the signals last: each op gets its number.
+- **At release.** Host gradients are gathered and their sum issued at release, on the
+  training thread; a GPU's are staged to the host (or, NCCL's, gathered on the device) and
+  issued from the progress thread once ready (``sum_vector``).
+- **Completion.** Each completion is posted into the syncer's progress loop
+  (``Host.call_soon``), where the mean goes into the diffs and the update is applied exactly
+  as every other scheme's.
 - **Signals.** The other schemes OR each worker's request bits (snapshot, stop, leave) into
-  their messages. An engine sums numbers, so the unit that ends a backward (the syncer's
-  ``signal_unit``: every signal of a round is in its release) carries one extra value per bit
+  their messages. An engine sums numbers, so the unit released last in a backward (the
+  syncer's ``signal_unit``: every signal of a round reaches it) carries one value per bit
   behind its gradients (a large one, or a device's: in a small allreduce of their own, last in
-  the round): summed, a value above zero is the OR.
+  the round): summed, a value above zero is the OR, the same on every worker.
 
 Every worker ends each round with identical bits: each backend pins an algorithm that hands
 every worker the same sum (a ring's reduce-scatter sums each segment once), and the syncer's
@@ -31,280 +26,26 @@ the signals and the elastic control stay on Poseidon's authenticated wire.
 """
 from __future__ import annotations
 
-import queue
 import threading
 import time
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Sequence
 
 import numpy as np
 
-from engine import timeline
 from engine.pb import poseidon_pb2 as pb
 
 from ..cost import Device, LayerTiming
+from ..engines import Backend, Collective, EngineError, ring_time
 from ..errors import CommError
-from ..link import Link
 from ..transport import WORKER, Message, PeerId
 from ..units import Unit, gather, is_view, scatter_mean
 from .base import DenseScheme
 
 #: the request bits a signal unit carries, one value each behind its gradients
 SIGNAL_BITS = (pb.REQUEST_SNAPSHOT, pb.REQUEST_STOP, pb.REQUEST_OVERFLOW, pb.REQUEST_LEAVE)
-#: the start-up probe: a small and a 4 MB allreduce, the fastest of several of each
-PROBE_SMALL_BYTES = 4 << 10
-PROBE_LARGE_BYTES = 4 << 20
-PROBE_REPEATS = (8, 3)
-#: no engine moves a byte faster than memory (1 / 100 GB/s)
-MIN_BETA = 1e-11
 #: a signal unit this large sends its signals in an allreduce of their own: copying it into a
 #: vector with room for them behind would cost more than that small allreduce
 SIGNALS_APART_BYTES = 256 << 10
-
-
-class EngineError(CommError):
-    """An engine that cannot run here, or failed; the message names it and why."""
-
-
-@dataclass(frozen=True)
-class EngineCost:
-    """An engine as the planner prices it and a plan records it: its library's version, the
-    algorithm pinned, and the start-up probe as a ring's link (alpha per step, beta per byte)."""
-    name: str
-    version: str
-    algorithm: str
-    link: Link
-
-    def to_pb(self) -> pb.EngineSpec:
-        return pb.EngineSpec(name=self.name, version=self.version, algorithm=self.algorithm,
-                             alpha_s=self.link.alpha_s,
-                             beta_s_per_byte=self.link.beta_s_per_byte)
-
-    @classmethod
-    def from_pb(cls, spec: pb.EngineSpec, source: str) -> "EngineCost":
-        return cls(spec.name, spec.version, spec.algorithm,
-                   Link(spec.alpha_s, max(spec.beta_s_per_byte, MIN_BETA), source))
-
-
-class Backend(ABC):
-    """One library's allreduce, joined to one job. The constructor (the join), ``start`` and
-    ``close`` run on the engine thread; a completion is reported by ``then``."""
-
-    #: the scheme's name, on the command line and in plans
-    name: ClassVar[str]
-    #: what to install for it, for the line that says it is missing
-    install: ClassVar[str]
-    #: it sums device (GPU) vectors in place (NCCL); else host vectors
-    on_device: ClassVar[bool] = False
-    #: ``start`` returns only once the sum is complete (MPI's blocking collectives): ops are
-    #: issued from the engine thread; else from whichever thread submits the op in turn
-    blocking: ClassVar[bool] = False
-
-    @classmethod
-    @abstractmethod
-    def missing(cls, on_gpu: bool) -> str:
-        """Why this process cannot run the engine ("" where it can). Cheap to call twice."""
-
-    @classmethod
-    @abstractmethod
-    def version(cls) -> str:
-        """The library's version, as plans record it."""
-
-    @classmethod
-    @abstractmethod
-    def algorithm(cls) -> str:
-        """The reduction algorithm pinned, so that a rerun sums in the same order."""
-
-    @classmethod
-    def setup(cls, address: str, world: int, timeout: float) -> tuple[bytes, Any]:
-        """Rank 0: the rendezvous every worker joins with (sent in the authenticated ENGINE
-        message), and what rank 0 must keep alive while the job runs (a store's server)."""
-        return b"", None
-
-    @abstractmethod
-    def __init__(self, setup: bytes, rank: int, world: int, address: str,
-                 timeout: float) -> None:
-        """Join the engine (every worker at once; blocks until all have)."""
-
-    @abstractmethod
-    def start(self, vec: Any) -> Any:
-        """Issue the in-place allreduce (sum) of ``vec``; a handle for ``then`` (a blocking
-        engine returns once the sum is complete)."""
-
-    @abstractmethod
-    def then(self, handle: Any, done: Callable[[BaseException | None], None]) -> bool:
-        """Arrange ``done(error or None)`` for when ``handle`` completes, on any thread, and
-        say True; or False: the collective's wait thread calls ``finish`` and then ``done``."""
-
-    def finish(self, handle: Any) -> None:
-        """Block until ``handle`` completes (for ``then``'s False)."""
-
-    def close(self) -> None:
-        """Leave the engine (the job's end)."""
-
-    @classmethod
-    def thread_context(cls) -> Callable[[], None]:
-        """Called on the thread that joins; what each engine thread runs first (a GPU
-        engine's threads work on the worker's device)."""
-        return lambda: None
-
-    @classmethod
-    def abandon(cls) -> None:
-        """A collective of this process failed or was left unfinished (it may never
-        complete)."""
-
-
-_STOP = object()
-
-
-class Collective:
-    """A backend joined to one job: its engine thread (the join, the probe, the leave, and a
-    blocking engine's ops), the ops issued strictly in sequence order, and, for an engine
-    that cannot call back, a wait thread that waits for each issued op in turn. Completions
-    go to each op's ``done``, on whichever thread saw them."""
-
-    def __init__(self, backend: type[Backend], setup: bytes, rank: int, world: int,
-                 address: str, timeout: float, on_error: Callable[[str], None]) -> None:
-        self.backend_class = backend
-        self.name = backend.name
-        self.world = world
-        self.timeout = timeout
-        self._on_error = on_error
-        self._calls: queue.Queue = queue.Queue()
-        self._issued: queue.Queue = queue.Queue()
-        #: the sequence number issued next, and ops that came before their turn
-        self._next = 0
-        self._early: dict[int, tuple[Any, Callable[[], None], str]] = {}
-        self._order = threading.Lock()
-        self._closed = False
-        self.failed: str | None = None
-        enter = backend.thread_context()
-        self._threads = [threading.Thread(target=self._engine_loop, args=(enter,),
-                                          name=f"poseidon-{self.name}", daemon=True),
-                         threading.Thread(target=self._wait_loop, args=(enter,),
-                                          name=f"poseidon-{self.name}-wait", daemon=True)]
-        for t in self._threads:
-            t.start()
-        self.backend: Backend = self.call(
-            lambda: backend(setup, rank, world, address, timeout),
-            f"joining {self.name} (every worker joins at once)")
-
-    def call(self, fn: Callable[[], Any], what: str) -> Any:
-        """Run ``fn`` on the engine thread (a library that wants its calls on one thread gets
-        them there) and return its result; an EngineError after the job's timeout."""
-        box: dict[str, Any] = {}
-        done = threading.Event()
-        self._calls.put(("call", fn, box, done))
-        if not done.wait(self.timeout + 5):
-            raise EngineError(f"{self.name}: {what} took longer than {self.timeout:g} s")
-        if "error" in box:
-            raise EngineError(f"{self.name}: {what} failed: {_first_line(box['error'])}")
-        return box["value"]
-
-    def submit(self, seq: int, vec: Any, done: Callable[[], None], what: str) -> None:
-        """Allreduce ``vec`` in place as operation ``seq`` of the job's one order (0, 1, 2,
-        ...); ``done()`` once complete (on an engine's thread). A blocking engine's ops go
-        to the engine thread; another's are issued here when it is their turn (a thread
-        hand-off at every release costs a scheduling delay where the cores are busy with
-        backward), else by the op before them."""
-        if self.backend_class.blocking:
-            self._calls.put(("op", seq, vec, done, what))
-            return
-        with self._order:
-            self._take(seq, vec, done, what)
-
-    def _take(self, seq: int, vec: Any, done: Callable[[], None], what: str) -> None:
-        """Hold op ``seq``, then issue every op whose turn it is (under ``_order``)."""
-        self._early[seq] = (vec, done, what)
-        while self._next in self._early and self.failed is None:
-            self._issue(*self._early.pop(self._next))
-
-    def _issue(self, vec: Any, on_done: Callable[[], None], what: str) -> None:
-        self._next += 1
-        tl = timeline.current
-        if tl.active:  # the allreduce on the engine thread, from its issue to its end
-            began, inner = tl.now(), on_done
-
-            def on_done() -> None:
-                tl.complete(f"{self.name} {what}", "allreduce", began)
-                inner()
-        try:
-            handle = self.backend.start(vec)
-            if not self.backend.then(handle, self._completion(on_done, what)):
-                self._issued.put((handle, on_done, what))
-        except Exception as e:
-            self._fail(what, e)
-
-    def _engine_loop(self, enter: Callable[[], None]) -> None:
-        enter()
-        while True:
-            item = self._calls.get()
-            if item is _STOP:
-                self._issued.put(_STOP)
-                return
-            if item[0] == "call":
-                _, fn, box, done = item
-                try:
-                    box["value"] = fn()
-                except Exception as e:  # handed to the caller, which names the engine
-                    box["error"] = e
-                done.set()
-                continue
-            self._take(*item[1:])
-
-    def _completion(self, on_done: Callable[[], None],
-                    what: str) -> Callable[[BaseException | None], None]:
-        def done(error: BaseException | None) -> None:
-            if error is not None:
-                self._fail(what, error)
-            elif self.failed is None:
-                on_done()
-        return done
-
-    def _wait_loop(self, enter: Callable[[], None]) -> None:
-        enter()
-        while True:
-            item = self._issued.get()
-            if item is _STOP:
-                return
-            handle, on_done, what = item
-            if self.failed is not None:
-                continue
-            try:
-                self.backend.finish(handle)
-            except Exception as e:
-                self._fail(what, e)
-                continue
-            on_done()
-
-    def _fail(self, what: str, e: BaseException) -> None:
-        if self.failed is None:
-            self.failed = f"the {self.name} allreduce of {what} failed: {_first_line(e)}"
-            if self._closed:  # a job that ended already (its peers left): nobody to tell
-                return
-            try:
-                self._on_error(self.failed)
-            except Exception:  # noqa: BLE001 - an engine's thread must not die of the report
-                pass
-
-    def close(self, clean: bool = True) -> None:
-        """Leave the engine once every issued allreduce is done (on the engine thread, after
-        them). Not ``clean`` (the job failed): a collective may never complete, and a thread
-        blocked in one is left behind (a daemon)."""
-        self._closed = True
-        left = False
-        if self.failed is None and clean:
-            try:
-                self.call(self.backend.close, "leaving")
-                left = True
-            except EngineError:
-                pass
-        if not left:
-            self.backend_class.abandon()
-        self._calls.put(_STOP)
-        for t in self._threads:
-            t.join(timeout=2)
 
 
 class _Issued:
@@ -339,76 +80,6 @@ class _Issued:
 
     def _ops(self) -> int:
         return 1 if self.flags is None else 2
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0][:400]
-
-
-def probe(collective: Collective) -> Link:
-    """Every worker at once: the fastest of a few small and a few 4 MB allreduces on the
-    engine, as a ring's link (``ring_time`` of either size is what was measured)."""
-    world = collective.world
-    backend = collective.backend
-
-    def run() -> tuple[float, float]:
-        best = []
-        for nbytes, repeats in zip((PROBE_SMALL_BYTES, PROBE_LARGE_BYTES), PROBE_REPEATS):
-            vec = _probe_vector(backend, nbytes)
-            times = []
-            for _ in range(repeats + 1):  # the first warms the engine's connections up
-                t = time.perf_counter()
-                _complete(backend, backend.start(vec))
-                times.append(time.perf_counter() - t)
-            best.append(min(times[1:]))
-        return best[0], best[1]
-
-    small, large = collective.call(run, "the start-up probe")
-    return ring_link(world, PROBE_SMALL_BYTES, small, PROBE_LARGE_BYTES, large,
-                     f"{collective.name} probe: {PROBE_SMALL_BYTES >> 10} KB in "
-                     f"{small * 1e6:.0f} us, {PROBE_LARGE_BYTES >> 20} MB in "
-                     f"{large * 1e3:.2f} ms, {world} workers")
-
-
-def _complete(backend: Backend, handle: Any) -> None:
-    """Wait here for ``handle`` (on the engine thread, at start-up)."""
-    seen = threading.Event()
-    box: list[BaseException | None] = []
-
-    def done(error: BaseException | None) -> None:
-        box.append(error)
-        seen.set()
-    if not backend.then(handle, done):
-        backend.finish(handle)
-        return
-    seen.wait()
-    if box[0] is not None:
-        raise box[0]
-
-
-def _probe_vector(backend: Backend, nbytes: int) -> Any:
-    if backend.on_device:
-        import cupy
-        return cupy.zeros(nbytes // 4, np.float32)
-    return np.zeros(nbytes // 4, np.float32)
-
-
-def ring_link(world: int, small_bytes: int, small_s: float, large_bytes: int, large_s: float,
-              source: str) -> Link:
-    """The link whose ring allreduce takes the two measured times: 2(P-1) steps of alpha, and
-    2(P-1)/P of the bytes at beta each way."""
-    steps = 2 * max(world - 1, 1)
-    frac = steps / max(world, 1)
-    beta = max((large_s - small_s) / (frac * (large_bytes - small_bytes)), MIN_BETA)
-    alpha = max((small_s - frac * small_bytes * beta) / steps, 0.0)
-    return Link(alpha, beta, source)
-
-
-def ring_time(link: Link, world: int, nbytes: float) -> float:
-    """An engine's allreduce of ``nbytes`` on ``world`` workers, on its probed link."""
-    steps = 2 * max(world - 1, 1)
-    return steps * link.alpha_s + steps / max(world, 1) * nbytes * link.beta_s_per_byte
 
 
 class CollectiveScheme(DenseScheme):

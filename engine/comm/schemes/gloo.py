@@ -16,7 +16,8 @@ import importlib.util
 import os
 from typing import Any, Callable
 
-from .collective import Backend, CollectiveScheme
+from ..engines import Backend
+from .collective import CollectiveScheme
 
 
 def _torch() -> tuple[Any, Any]:

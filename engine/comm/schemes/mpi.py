@@ -23,7 +23,8 @@ import importlib.util
 import os
 from typing import Any, Callable
 
-from .collective import Backend, CollectiveScheme, EngineError
+from ..engines import Backend, EngineError
+from .collective import CollectiveScheme
 
 #: a process an MPI launcher started has one of these (PMI: MPICH, Intel MPI, srun; PMIx and
 #: Open MPI's own)

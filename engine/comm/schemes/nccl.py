@@ -21,7 +21,8 @@ from typing import Any, Callable
 import numpy as np
 
 from ..units import Unit
-from .collective import Backend, CollectiveScheme
+from ..engines import Backend
+from .collective import CollectiveScheme
 
 PIN = (("NCCL_ALGO", "Ring"), ("NCCL_PROTO", "Simple"))
 
