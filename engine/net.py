@@ -19,7 +19,7 @@ import numpy as np
 from . import backend
 from .blob import Blob, BlobTooLarge, building_shapes_only, check_fits
 from .context import RunContext
-from .layers import Layer, LayerError, create_layer, registered_types
+from .layer_types import Layer, LayerError, create_layer, registered_types
 from . import timeline
 from .pb import caffe_pb2
 

@@ -66,7 +66,7 @@ def make_layer(text: str, bottom: Sequence[Blob], top: Sequence[Blob], phase: st
     """A layer from its prototxt text, set up and reshaped on the given blobs."""
     from google.protobuf import text_format
 
-    from engine.layers import create_layer
+    from engine.layer_types import create_layer
     from engine.pb import caffe_pb2
 
     param = caffe_pb2.LayerParameter()

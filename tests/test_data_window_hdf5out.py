@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 
-import engine.layers  # noqa: F401  (fills the registry, data layers included)
+import engine.layer_types  # noqa: F401  (fills the registry, data layers included)
 from engine import backend
 from engine.blob import Blob
 from engine.context import RunContext

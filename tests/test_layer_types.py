@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 import pytest
 
-import engine.layers  # noqa: F401  (fills the registry, data layers included)
+import engine.layer_types  # noqa: F401  (fills the registry, data layers included)
 from engine.data.datum import array_to_datum, encode_image
 from engine.data.lmdb_source import write_lmdb
 from engine.layers.base import layer_class, registered_types

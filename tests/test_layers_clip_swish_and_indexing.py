@@ -1,5 +1,5 @@
 """Clip and Swish (neuron.py); the indexing and reducing layers Tile, Reduction, Parameter,
-BatchReindex, Filter and Embed (common.py), all from BVLC Caffe master. Values against hand computations from Caffe's
+BatchReindex and Filter (routing.py) and Embed (inner_product.py), all from BVLC Caffe master. Values against hand computations from Caffe's
 formulas, float64 finite-difference gradients, the one-line errors, and a few small nets."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from google.protobuf import text_format
 
 from engine.blob import Blob
-from engine.layers import LayerError, layer_class
+from engine.layer_types import LayerError, layer_class
 from engine.net import Net
 from engine.pb import caffe_pb2
 from tests.gradcheck import blob_of as blob, check_layer_gradients, make_layer as make

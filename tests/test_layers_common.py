@@ -1,4 +1,4 @@
-"""Common layers (engine/layers/common.py): gradient checks in float64, values against
+"""Caffe's common layers (engine/layers/routing.py, reductions.py): gradient checks in float64, values against
 hand computations, and InnerProduct's sufficient factors."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from google.protobuf import text_format
 
 from engine.blob import Blob
-from engine.layers import LayerError, create_layer
+from engine.layer_types import LayerError, create_layer
 from engine.pb import caffe_pb2
 from tests.gradcheck import check_layer_gradients, make_layer as make
 

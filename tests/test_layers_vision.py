@@ -8,7 +8,7 @@ from google.protobuf import text_format
 
 from engine import backend
 from engine.blob import Blob
-from engine.layers import LayerError, create_layer
+from engine.layer_types import LayerError, create_layer
 from engine.kernels import cpu as compiled
 from engine.kernels import cuda
 from engine.kernels.geometry import Geometry, conv_out_size, pool_out_size

@@ -16,7 +16,7 @@ import time
 
 from engine import backend, glog
 from engine.allocator import tune_allocator
-from engine.layers import layer_class, registered_types
+from engine.layer_types import layer_class, registered_types
 from engine.layers.python_layer import TEST, TRAIN, PyLayer as Layer
 
 from . import io
