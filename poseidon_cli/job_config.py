@@ -33,7 +33,7 @@ NO_KEY = ("no job key: every process of a job authenticates its messages with on
 
 def option(default: Any, *decls: str, **click_kwargs: Any) -> Any:
     """A JobConfig field that `poseidon train` takes as the click option ``decls`` (declared
-    here once: train_cmd.py adds every such option, and its value lands in this field)."""
+    here once: commands/train.py adds every such option, and its value lands in this field)."""
     return field(default=default, metadata={"option": (decls, click_kwargs)})
 
 

@@ -10,16 +10,16 @@ import click
 #: command name -> "module:function"; modules are imported only when their command runs,
 #: so `poseidon --help` stays fast and one broken optional dependency does not break all.
 COMMANDS = {
-    "train": "poseidon_cli.train_cmd:train",
-    "test": "poseidon_cli.test_cmd:test",
-    "time": "poseidon_cli.time_cmd:time_cmd",
-    "convert": "poseidon_cli.convert_cmd:convert",
-    "data": "poseidon_cli.data_cmd:data",
-    "device-query": "poseidon_cli.device_cmd:device_query",
-    "simulate": "poseidon_cli.simulate_cmd:simulate",
-    "bench": "poseidon_cli.bench_cmd:bench",
-    "keygen": "poseidon_cli.keygen_cmd:keygen",
-    "warmup": "poseidon_cli.warmup_cmd:warmup",
+    "train": "poseidon_cli.commands.train:train",
+    "test": "poseidon_cli.commands.test:test",
+    "time": "poseidon_cli.commands.time:time_cmd",
+    "convert": "poseidon_cli.commands.convert:convert",
+    "data": "poseidon_cli.commands.data:data",
+    "device-query": "poseidon_cli.commands.device:device_query",
+    "simulate": "poseidon_cli.commands.simulate:simulate",
+    "bench": "poseidon_cli.commands.bench:bench",
+    "keygen": "poseidon_cli.commands.keygen:keygen",
+    "warmup": "poseidon_cli.commands.warmup:warmup",
 }
 
 

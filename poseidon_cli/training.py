@@ -10,7 +10,7 @@ from typing import Any, Callable, ContextManager
 
 from engine.context import RunContext
 
-from .launch.config import JobConfig
+from .job_config import JobConfig
 from .progress import ProgressBar
 from .signals import signal_requests
 

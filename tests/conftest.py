@@ -38,6 +38,6 @@ def compiled_kernels() -> None:
     """The CPU kernels compiled once, up front, as `poseidon train` does on a machine's first
     run: no test's output or liveness bound then includes Numba compiling them (only the
     first session on a machine compiles; later ones find the stamp and return at once)."""
-    from poseidon_cli.warmup_cmd import warm_kernels
+    from poseidon_cli.warming import warm_kernels
 
     warm_kernels(["float32"], lambda message: None, force=False)

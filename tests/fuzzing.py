@@ -153,49 +153,50 @@ def make_targets(tmp: Path) -> Iterator[dict[str, Target]]:
     def binaryproto(data: bytes) -> None:
         caffe_io.read_blobproto(_file(tmp, "fuzz.binaryproto", data))
 
-    wire, endpoints = wire_targets()
-    try:
-        yield {"prototxt": Target("prototxt", deploy.encode(), prototxt, text=True),
-               "caffemodel": Target("caffemodel", model, caffemodel),
-               "solverstate": Target("solverstate", state.SerializeToString(), solverstate),
-               "binaryproto": Target("binaryproto", mean.SerializeToString(), binaryproto),
-               **wire}
-    finally:
-        for ep in endpoints:
-            ep.close(say_bye=False)
+    yield {"prototxt": Target("prototxt", deploy.encode(), prototxt, text=True),
+           "caffemodel": Target("caffemodel", model, caffemodel),
+           "solverstate": Target("solverstate", state.SerializeToString(), solverstate),
+           "binaryproto": Target("binaryproto", mean.SerializeToString(), binaryproto),
+           **wire_targets()}
 
 
-def wire_targets() -> tuple[dict[str, Target], list[Any]]:
-    """The receive path's parser, fed frames as a peer would send them: a 2-array FACTORS
-    message from worker 1, mutated in its header, its frames' sizes or its frame count."""
-    import zmq
+class Frame:
+    """A received frame as the parser reads it (ZeroMQ's has the same two views)."""
 
+    def __init__(self, data: bytes) -> None:
+        self.bytes = data
+
+    @property
+    def buffer(self) -> memoryview:
+        return memoryview(self.bytes)
+
+
+def wire_targets() -> dict[str, Target]:
+    """The receive path's parser (engine/comm/wire.py, no sockets), fed frames as a peer would
+    send them: a 2-array FACTORS message from worker 1, mutated in its header, its frames'
+    sizes or its frame count."""
     from engine.comm.auth import Signer, Verifier
-    from engine.comm.transport import WORKER, Endpoint, header
+    from engine.comm.wire import WORKER, Parser, header
     from engine.pb import poseidon_pb2 as pb
-    from poseidon_cli.launch.hostfile import free_base_port, parse_hosts_text
 
-    base = free_base_port(3)
-    hosts = parse_hosts_text("".join(f"127.0.0.1:{base + 2 * i}\n" for i in range(3)))
     key = bytes(range(32))
-    # two receivers (workers 0 and 2) of messages from worker 1, which never starts
-    endpoints = {auth: Endpoint((WORKER, 2 * auth), hosts, [(WORKER, 1)],
-                                key=key if auth else None, timeout=3600) for auth in (False, True)}
-    for ep in endpoints.values():
-        ep.checker = lambda msg: None  # structure only: content checks are the scheme's
     h = header(pb.DATA, scheme="sfb", sender_role=pb.WORKER, sender=1, layer=3, round=2)
     h.arrays.add(dtype="<f4", shape=[2, 3])
     h.arrays.add(dtype="<f8", shape=[4])
     frames = [h.SerializeToString(), np.ones(6, np.float32).tobytes(), np.ones(4).tobytes()]
     signer = Signer(key)
 
+    def receiver(auth: bool) -> Any:
+        """A receiver of messages from worker 1; each case is a sender's first message."""
+        parser = Parser(Verifier(key) if auth else None, [(WORKER, 1)], None, str,
+                        lambda why: None)
+        parser.checker = lambda msg: None  # structure only: content checks are the scheme's
+        return parser
+
     def parse(auth: bool) -> Callable[[bytes], None]:
         def run(data: bytes) -> None:
             fs = json.loads(data.decode("latin-1")) if data[:1] == b"[" else [data]
-            ep = endpoints[auth]
-            if auth:  # each case is a sender's first message, not a replay of the last one
-                ep._verifier = Verifier(key)
-            msg, reason = ep._parse([zmq.Frame(bytes(f, "latin-1")) for f in fs])
+            msg, reason = receiver(auth).parse([Frame(bytes(f, "latin-1")) for f in fs])
             if msg is None:  # dropped, as a receiver does: the clean outcome
                 raise ValueError(reason)
         return run
@@ -230,19 +231,16 @@ def wire_targets() -> tuple[dict[str, Target], list[Any]]:
     plain = WireTarget("wire", encode(frames), parse(False), extra={"frames": frames})
     signed = WireTarget("wire-auth", encode([*frames, signer.trailer(frames)]), parse(True),
                         extra={"frames": [*frames, signer.trailer(frames)]})
-    return ({"wire": plain, "wire-auth": signed, "wire-pieces": pieces_target(endpoints[True],
-                                                                              key, h)},
-            list(endpoints.values()))
+    return {"wire": plain, "wire-auth": signed,
+            "wire-pieces": pieces_target(lambda: receiver(True), key, h)}
 
 
-def pieces_target(ep: Any, key: bytes, h: Any) -> Target:
-    """A message in 5 authenticated pieces of 16 bytes, fed to ``ep``'s parser in order, as
-    its receive thread would: accepted whole, or an error naming why not."""
-    import zmq
-
-    from engine.comm.auth import Signer, Verifier
+def pieces_target(receiver: Callable[[], Any], key: bytes, h: Any) -> Target:
+    """A message in 5 authenticated pieces of 16 bytes, fed to a fresh receiver's parser in
+    order, as its receive thread would: accepted whole, or an error naming why not."""
+    from engine.comm.auth import Signer
     from engine.comm.pieces import signed
-    from engine.comm.transport import wire_frames
+    from engine.comm.wire import wire_frames
 
     arrays = [np.arange(6, dtype=np.float32), np.ones(4)]
     seed = [[bytes(memoryview(f)) for f in piece]
@@ -250,11 +248,10 @@ def pieces_target(ep: Any, key: bytes, h: Any) -> Target:
 
     def run(data: bytes) -> None:
         pieces = [[bytes(f, "latin-1") for f in piece] for piece in json.loads(data)]
-        ep._verifier = Verifier(key)  # each case is a sender's first message
-        ep._assembling.clear()
+        parser = receiver()  # each case is a sender's first message
         why = "no piece"
         for piece in pieces:
-            msg, reason = ep._parse([zmq.Frame(f) for f in piece])
+            msg, reason = parser.parse([Frame(f) for f in piece])
             if msg is not None:
                 for a, b in zip(msg.arrays, arrays, strict=True):
                     if not np.array_equal(a, b):

@@ -9,10 +9,10 @@ import io
 import pytest
 
 from poseidon_cli.launch import launcher, tables
-from poseidon_cli.launch.config import JobConfig
+from poseidon_cli.job_config import JobConfig
 from poseidon_cli.launch.hostfile import parse_hosts_text
 from poseidon_cli.launch.tables import resolve
-from poseidon_cli.train_cmd import parse_gpus
+from poseidon_cli.commands.train import parse_gpus
 from tests.test_cli_caffe_habits import run
 
 

@@ -168,7 +168,7 @@ def test_measured_communication_from_a_trace(tmp_path):
 def test_bench_clusters_curves_start_at_one_worker_and_pair_measured_with_predicted():
     from types import SimpleNamespace as Row
 
-    from poseidon_cli.bench_cluster_cmd import _curves
+    from poseidon_cli.benches.cluster_cmd import _curves
     rows = [Row(workers=1, scheme="-", speedup=1.0, predicted_speedup=1.0),
             Row(workers=2, scheme="ps", speedup=1.8, predicted_speedup=1.9),
             Row(workers=2, scheme="ring", speedup=1.7, predicted_speedup=1.75),

@@ -11,7 +11,7 @@ import pytest
 from engine.caffe_io import read_solverstate, read_weights, write_solverstate
 from engine.comm.errors import CommError
 from engine.pb import poseidon_pb2
-from poseidon_cli.launch.config import JobConfig
+from poseidon_cli.job_config import JobConfig
 from tests.test_cli_errors import one_line_error, run
 
 #: "ip" is built only in the stage "small", "ipbig" only from level 1: which one trains shows

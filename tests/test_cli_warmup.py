@@ -45,7 +45,7 @@ def test_warm_reaches_every_kernel():
     """Each compiled kernel has a float32 and a float64 form after the parts' warm-ups: a new
     kernel without a warm-up call fails here."""
     from engine.kernels import cpu
-    from poseidon_cli.warmup_cmd import warm_part
+    from poseidon_cli.warming import warm_part
 
     for dtype in ("float32", "float64"):
         warm_part(dtype)

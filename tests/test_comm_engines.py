@@ -34,7 +34,7 @@ from engine.comm.engines import Backend, Collective, EngineCost, ring_link, ring
 from engine.comm.schemes.collective import SIGNAL_BITS, CollectiveScheme
 from engine.comm.schemes.gloo import GlooBackend
 from engine.comm.schemes.mpi import MpiBackend
-from poseidon_cli.launch.config import JobConfig
+from poseidon_cli.job_config import JobConfig
 from tests.test_comm_resume import same_bits
 from tests.test_comm_train import (BOUND, ITERS, ROOT, digits_db, lenet_net,  # noqa: F401
                                    relative_distance, weights, write_hosts, write_run)

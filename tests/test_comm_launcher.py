@@ -11,7 +11,7 @@ from engine.comm.bind import describe_net
 from engine.comm.errors import CommError
 from engine.comm.hosts import table_from_json
 from engine.comm.planner import plan_layers
-from poseidon_cli.launch.config import JobConfig
+from poseidon_cli.job_config import JobConfig
 from poseidon_cli.launch.hostfile import parse_hosts_text
 from poseidon_cli.launch.launcher import run, ssh_command, supervise, worker_command, worker_input
 from poseidon_cli.launch.managers import rank_from_env

@@ -23,7 +23,7 @@ from engine.comm.shard import DEFAULT_THREADS, ShardServer
 from engine.comm.transport import Message, header, message_key
 from engine.pb import poseidon_pb2 as pb
 from poseidon_cli.benches.shard import SHARD0, push, synthetic_worker, take_sums
-from poseidon_cli.launch.config import JobConfig
+from poseidon_cli.job_config import JobConfig
 from poseidon_cli.launch.hostfile import parse_hosts_text
 from poseidon_cli.launch.shard import ShardSettings, read_settings
 from tests.test_comm_train import digits_db, poseidon, weights, write_hosts, write_run  # noqa: F401

@@ -20,7 +20,7 @@ from engine.comm.cost import LayerInfo
 from engine.comm.planner import PlanOptions, make_plan, plan_table
 from engine.solver import Solver
 from engine.solvers import SolverError
-from poseidon_cli.launch.config import JobConfig
+from poseidon_cli.job_config import JobConfig
 from poseidon_cli.main import cli
 from tests.test_comm_ring import grads, run
 from tests.test_comm_train import (  # noqa: F401

@@ -9,7 +9,7 @@ import numpy as np
 from click.testing import CliRunner
 
 from engine import caffe_io as io
-from poseidon_cli.convert_cmd import convert
+from poseidon_cli.commands.convert import convert
 from tests.conftest import ROOT, shared_path
 
 

@@ -15,7 +15,7 @@ from PIL import Image
 from engine.data.transformer import read_mean_file
 from engine.net import Net
 from engine.pb import caffe_pb2
-from poseidon_cli.data_cmd import data
+from poseidon_cli.commands.data import data
 
 N = 24
 

@@ -8,7 +8,7 @@ import pytest
 
 from engine.comm.hosts import HostsError, machines, table_from_json, table_json
 from engine.comm.transport import WORKER, peer_name
-from poseidon_cli.launch.config import JobConfig
+from poseidon_cli.job_config import JobConfig
 from poseidon_cli.launch.hostfile import DEFAULT_PORT, parse_hosts_text
 from poseidon_cli.launch.tables import from_host_list, gpus_of, resolve
 

@@ -47,7 +47,7 @@ class ShardServer:
 
     def __init__(self, index: int, hosts: Sequence[HostEntry], *, key: bytes,
                  timeout: float = 30.0, stats: CommStats | None = None,
-                 exit_grace: float | None = None, max_frame_bytes: int | None = None,
+                 max_frame_bytes: int | None = None,
                  threads: int = DEFAULT_THREADS) -> None:
         """``threads``: 0 sums on the receive thread (the reference), N >= 1 on N
         aggregation threads with the chunks pinned to them."""
@@ -58,7 +58,7 @@ class ShardServer:
         self.world = len(hosts)
         self.workers = [(WORKER, r) for r in range(self.world)]
         self.ep = Endpoint((SHARD, index), hosts, self.workers, key=key, timeout=timeout,
-                           stats=stats, exit_grace=exit_grace, max_frame_bytes=max_frame_bytes)
+                           stats=stats, max_frame_bytes=max_frame_bytes)
         self._chunks: dict[tuple[int, int], Chunk] = {}
         #: the workers that push each group's chunks, in the order their pushes are summed
         self._groups: list[tuple[int, ...]] = [tuple(range(self.world))]

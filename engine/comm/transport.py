@@ -22,11 +22,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -36,84 +34,29 @@ import zmq
 from engine.allocator import tune_allocator
 from engine.pb import poseidon_pb2 as pb
 
-from .auth import Piece, Signer, Verifier
+from .auth import Signer, Verifier
 from .errors import CommError
 from .hosts import HostEntry, port_owner
-from .pieces import PIECE_BYTES, Assembly, signed
+from .liveness import Liveness
+from .pieces import PIECE_BYTES, signed
 from .stages import StageClock
 from .stats import CommStats
+from .wire import (HEADER_BYTES, HEADER_BYTES_PER_CHUNK, PROBE_ASK, PROBE_ECHO, ROLE_PB, SHARD,
+                   WORKER, Key, Message, Parser, PeerId, byte_tag, header, message_key,
+                   peer_name, wire_frames)
+
+__all__ = ["COPY_BELOW_BYTES", "HEADER_BYTES", "HEADER_BYTES_PER_CHUNK", "PROBE_ASK",
+           "PROBE_ECHO", "SHARD", "WORKER", "Endpoint", "Key", "Message", "PeerId", "header",
+           "message_key", "peer_name"]
 
 log = logging.getLogger("poseidon.comm")
 
-WORKER, SHARD = "worker", "shard"
-PeerId = tuple[str, int]
-#: mailbox key: (kind, sender role, sender, round, layer, param, chunk)
-Key = tuple[int, str, int, int, int, int, int]
-
-ALLOWED_DTYPES = {np.dtype(t).str for t in ("<f2", "<f4", "<f8")}
-_DTYPES = {t: np.dtype(t) for t in ALLOWED_DTYPES}
-MAX_FRAMES = 64
 #: frames below this are copied into the message, larger ones sent zero-copy: pyzmq's zero-copy
 #: costs a fixed ~50 us per frame (its buffer tracking), a copy ~5 us per 64 KB. Sender and
 #: receiver CPU per message, measured here, copied against zero-copy: 64 KB 203 us against 254,
 #: 256 KB 328 against 364, 512 KB 384-403 against 441-483, 1 MB 707 against 549 (pyzmq's own
 #: default cuts at 64 KB)
 COPY_BELOW_BYTES = 1 << 20
-MAX_DIMS = 8
-#: a header frame's bound: the LAYOUT header lists every chunk (about 40 bytes each)
-HEADER_BYTES_PER_CHUNK = 64
-HEADER_BYTES = 1 << 16
-_ROLE = {pb.WORKER: WORKER, pb.SHARD: SHARD}
-_ROLE_PB = {WORKER: pb.WORKER, SHARD: pb.SHARD}
-_CONTROL = (pb.HELLO, pb.LAYOUT, pb.READY, pb.HEARTBEAT, pb.PLAN, pb.PROBE, pb.BYE, pb.ABORT,
-            pb.CHECK, pb.STATE, pb.ENGINE)
-#: PROBE's op: a request the receiver echoes at once, and the echo
-PROBE_ASK, PROBE_ECHO = 0, 1
-
-
-@dataclass
-class Message:
-    header: pb.Header
-    arrays: list[np.ndarray]
-
-    @property
-    def sender(self) -> PeerId:
-        return (_ROLE[self.header.sender_role], self.header.sender)
-
-    def key(self) -> Key:
-        return message_key(self.header.kind, self.sender, self.header.round, self.header.layer,
-                           self.header.param, self.header.chunk)
-
-
-def message_key(kind: int, sender: PeerId, rnd: int = 0, layer: int = 0, param: int = 0,
-                chunk: int = 0) -> Key:
-    return (int(kind), sender[0], int(sender[1]), int(rnd), int(layer), int(param), int(chunk))
-
-
-def peer_name(peer: PeerId, hosts: Sequence[HostEntry]) -> str:
-    role, idx = peer
-    if 0 <= idx < len(hosts):
-        e = hosts[idx]
-        return f"{role} {idx} ({e.label(e.port if role == WORKER else e.shard_port)})"
-    return f"{role} {idx}"
-
-
-def header(kind: int, **fields: object) -> pb.Header:
-    return pb.Header(kind=kind, **fields)
-
-
-def wire_frames(hdr: pb.Header, arrays: Sequence[np.ndarray]) -> list[object]:
-    """``[header, array bytes...]``: the header lists each array's dtype and shape."""
-    del hdr.arrays[:]
-    views: list[object] = []
-    for a in arrays:
-        a = np.ascontiguousarray(a)
-        hdr.arrays.add(dtype=a.dtype.str, shape=a.shape)
-        views.append(memoryview(a).cast("B") if a.size else b"")
-    return [hdr.SerializeToString(), *views]
-
-
-
 def ipc_address(host: str, port: int) -> str:
     """The Unix socket a process bound at ``host``:``port`` also listens on, for its machine
     mates: in a directory of this user's only (the messages are authenticated regardless)."""
@@ -128,14 +71,6 @@ def _same_machine(a: HostEntry, b: HostEntry) -> bool:
     return a.machine == b.machine and a.host == b.host
 
 
-def byte_tag(hdr: pb.Header) -> str | None:
-    """The tag a DATA message's bytes are counted under: the scheme that set it, and
-    '<scheme>/index' for a codec's index vectors. None: not counted (control traffic)."""
-    if hdr.kind != pb.DATA:
-        return None
-    return f"{hdr.scheme}/index" if hdr.phase == pb.PHASE_INDEX else hdr.scheme
-
-
 class Endpoint:
     """One process's view of the network: its bound socket, its peers, liveness and mailbox.
 
@@ -145,7 +80,6 @@ class Endpoint:
 
     def __init__(self, me: PeerId, hosts: Sequence[HostEntry], peers: Iterable[PeerId], *,
                  key: bytes | None, timeout: float = 30.0, stats: CommStats | None = None,
-                 exit_grace: float | None = None,
                  snapshot_hint: Callable[[], str | None] | None = None,
                  max_frame_bytes: int | None = None, local_ipc: bool = True,
                  piece_bytes: int = PIECE_BYTES) -> None:
@@ -160,39 +94,30 @@ class Endpoint:
         self.peers = [p for p in peers if p != me]
         self.timeout = float(timeout)
         self.stats = stats or CommStats()
-        self.exit_grace = exit_grace
         self.snapshot_hint = snapshot_hint
         self.max_frame_bytes = max_frame_bytes
-        self.checker: Callable[[Message], str | None] | None = None
         self.handler: Callable[[Message], None] | None = None
+        #: called with the reason once this process's communication failed; and when the
+        #: training thread took the error in hand (``disarm``): a worker's forced exit
+        #: (poseidon_cli/launch/exits.py) arms and disarms by them
         self.on_fatal: list[Callable[[str], None]] = []
+        self.on_disarm: list[Callable[[], None]] = []
         self.dropped = 0
-        #: messages that failed authentication (counted among ``dropped``)
-        self.unauthenticated = 0
-        #: messages in pieces dropped whole: a piece altered, lost or out of order (counted
-        #: among ``dropped``)
-        self.incomplete = 0
         self.piece_bytes = int(piece_bytes)
-        #: per sending session, its message whose pieces are coming (receive thread only)
-        self._assembling: dict[bytes, Assembly] = {}
-        #: when set, the stages each message passes are timed (`poseidon bench comm --stages`)
-        self.clock: StageClock | None = None
         self._signer = Signer(key) if key is not None else None
-        self._verifier = Verifier(key) if key is not None else None
+        #: the receiving side (engine/comm/wire.py), on the receive thread only
+        self.parser = Parser(Verifier(key) if key is not None else None, self.peers,
+                             max_frame_bytes, self.name_of, self._drop)
+        self.liveness = Liveness(self.peers, self.timeout, self.name_of)
         self.error: str | None = None
         #: True when the error came in an ABORT (some other process reports it first-hand)
         self.error_from_peer = False
-        self._exit_timer: threading.Timer | None = None
         tune_allocator()  # before the context's I/O thread allocates messages
         self._ctx = zmq.Context()
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()
         self._mailbox: dict[Key, Message] = {}
         self._stop = threading.Event()
-        start = time.monotonic()
-        self._last_seen: dict[PeerId, float] = {p: start for p in self.peers}
-        self._heard: set[PeerId] = set()
-        self._gone: set[PeerId] = set()
         entry = self.hosts[me[1]]
         port = entry.port if me[0] == WORKER else entry.shard_port
         self._pull = self._ctx.socket(zmq.PULL)
@@ -226,15 +151,46 @@ class Endpoint:
             s.connect(ipc_address(e.host, peer_port) if p in local else
                       f"tcp://{e.host}:{peer_port}")
             self._push[p] = s
+        beat = self._heartbeat
         self._threads = [threading.Thread(target=self._recv_loop, name="poseidon-recv", daemon=True),
-                         threading.Thread(target=self._heartbeat_loop, name="poseidon-heartbeat",
-                                          daemon=True)]
+                         threading.Thread(target=self.liveness.run, name="poseidon-heartbeat",
+                                          args=(self._stop, beat, self.fatal), daemon=True)]
         for t in self._threads:
             t.start()
 
     @property
     def name(self) -> str:
         return peer_name(self.me, self.hosts)
+
+    # the parser's, as the owner sets and reads them
+    @property
+    def checker(self) -> Callable[[Message], str | None] | None:
+        """Checks a DATA message's content before any byte is used: a reason, or None."""
+        return self.parser.checker
+
+    @checker.setter
+    def checker(self, fn: Callable[[Message], str | None] | None) -> None:
+        self.parser.checker = fn
+
+    @property
+    def clock(self) -> StageClock | None:
+        """When set, the stages each message passes are timed (`poseidon bench comm
+        --stages`)."""
+        return self.parser.clock
+
+    @clock.setter
+    def clock(self, clock: StageClock | None) -> None:
+        self.parser.clock = clock
+
+    @property
+    def unauthenticated(self) -> int:
+        """Messages that failed authentication (counted among ``dropped``)."""
+        return self.parser.unauthenticated
+
+    @property
+    def incomplete(self) -> int:
+        """Messages in pieces dropped whole (counted among ``dropped``)."""
+        return self.parser.incomplete
 
     def name_of(self, peer: PeerId) -> str:
         return peer_name(peer, self.hosts)
@@ -253,7 +209,7 @@ class Endpoint:
         clock = self.clock
         if clock is not None:
             clock.mark(hdr.round, "call")
-        hdr.sender_role = _ROLE_PB[self.me[0]]
+        hdr.sender_role = ROLE_PB[self.me[0]]
         hdr.sender = self.me[1]
         frames = wire_frames(hdr, arrays)
         if clock is not None:
@@ -297,7 +253,7 @@ class Endpoint:
             if clock is not None:
                 clock.hold("received", first=True)
             try:
-                msg, reason = self._parse(frames)
+                msg, reason = self.parser.parse(frames)
             except Exception as e:  # nothing a peer sends may end this thread
                 msg, reason = None, f"unparsable message ({type(e).__name__}: {e})"
             if msg is None:
@@ -313,141 +269,19 @@ class Endpoint:
                 self.fatal(f"{self.name}: internal error handling a message from "
                            f"{self.name_of(msg.sender)}: {type(e).__name__}: {e}")
 
-    def _unauthenticated(self, reason: str) -> tuple[None, str]:
-        self.unauthenticated += 1
-        return None, reason
-
     def _drop(self, reason: str) -> None:
         self.dropped += 1
         if self.dropped <= 10 or self.dropped % 1000 == 0:  # a flood must not flood the log
             log.warning("%s: dropped a bad message (%d so far): %s", self.name, self.dropped, reason)
 
-    def _parse(self, frames: list[zmq.Frame]) -> tuple[Message | None, str]:
-        """A complete, checked message; or None and why it was dropped, or None and "" when a
-        piece of a large message was taken and the message is not complete yet."""
-        if not frames or len(frames) > MAX_FRAMES + 2:
-            return None, f"{len(frames)} frames"
-        if self._verifier is None:
-            return self._start(frames, None)
-        if len(frames) < 2:
-            return self._unauthenticated("no authentication trailer")
-        piece = self._verifier.verify(frames[:-1], frames[-1])
-        if isinstance(piece, str):
-            return self._unauthenticated(piece)
-        if self.clock is not None:
-            self.clock.hold("verified")
-        if piece.index:
-            return self._continue(piece, frames[:-1])
-        return self._start(frames[:-1], piece)
-
-    def _start(self, frames: list[zmq.Frame], piece: Piece | None) -> tuple[Message | None, str]:
-        """A header piece (authenticated, or a benchmark's unauthenticated message): the
-        message whole, or the start of one in pieces."""
-        try:
-            hdr = pb.Header.FromString(frames[0].bytes)
-        except Exception:
-            return None, "header is not a poseidon.Header"
-        if hdr.kind != pb.DATA and hdr.kind not in _CONTROL:
-            return None, f"unknown kind {hdr.kind}"
-        if hdr.sender_role not in _ROLE:
-            return None, f"unknown sender role {hdr.sender_role}"
-        sender = (_ROLE[hdr.sender_role], hdr.sender)
-        if sender not in self._last_seen:
-            return None, f"unknown sender {sender[0]} {sender[1]}"
-        if piece is not None and self._verifier is not None:
-            replay = self._verifier.accept(sender, piece.session, piece.counter)
-            if replay is not None:
-                return None, f"from {self.name_of(sender)}: {replay}"
-            if piece.session in self._assembling:  # its last piece never came
-                late = self._assembling.pop(piece.session)
-                self._incomplete(late, f"piece {late.next} of {late.count} never came")
-        layout = self._layout(hdr)
-        if isinstance(layout, str):
-            return None, layout
-        if piece is not None and piece.count > 1:
-            total = sum(n for _, _, n in layout)
-            if len(frames) != 1 or not 1 < piece.count <= total + 1:
-                return None, (f"a header piece of {len(frames)} frames for {piece.count} pieces "
-                              f"of {total} bytes")
-            self._assembling[piece.session] = Assembly.start(hdr, sender, piece.counter,
-                                                             piece.count, layout)
-            return None, ""
-        if len(layout) != len(frames) - 1:
-            return None, f"header lists {len(layout)} arrays but {len(frames) - 1} frames came"
-        arrays = []
-        for (dt, shape, n), frame in zip(layout, frames[1:]):
-            buf = frame.buffer
-            if n != len(buf):
-                return None, f"frame of {len(buf)} bytes for {dt.str}{shape}"
-            arrays.append(np.frombuffer(buf, dtype=dt, count=n // dt.itemsize).reshape(shape))
-        return self._checked(Message(hdr, arrays))
-
-    def _continue(self, piece: Piece, frames: list[zmq.Frame]) -> tuple[Message | None, str]:
-        """A data piece: the next one of its sender's message, or that message is dropped."""
-        asm = self._assembling.get(piece.session)
-        if asm is None:
-            return None, f"piece {piece.index} of {piece.count} of no message being received"
-        assert self._verifier is not None
-        replay = self._verifier.accept(asm.sender, piece.session, piece.counter)
-        if replay is not None:  # dropped alone: a recorded piece cannot break a message
-            return None, f"from {self.name_of(asm.sender)}: {replay}"
-        broken = (asm.add(piece.counter, piece.index, piece.count, frames[0].buffer)
-                  if len(frames) == 1 else f"a piece of {len(frames)} frames")
-        if broken is not None:
-            del self._assembling[piece.session]
-            self._incomplete(asm, broken)
-            return None, ""
-        if not asm.complete:
-            return None, ""
-        del self._assembling[piece.session]
-        return self._checked(Message(asm.header, asm.arrays))
-
-    def _incomplete(self, asm: Assembly, why: str) -> None:
-        """A message in pieces that cannot complete: dropped whole, and counted."""
-        self.incomplete += 1
-        self._drop(f"from {self.name_of(asm.sender)}: a message in {asm.count} pieces dropped "
-                   f"whole: {why}")
-
-    def _layout(self, hdr: pb.Header) -> list[tuple[np.dtype, tuple[int, ...], int]] | str:
-        """Each array's dtype, shape and bytes, computed with Python ints and capped; or why
-        the header is refused."""
-        if len(hdr.arrays) > MAX_FRAMES:
-            return f"{len(hdr.arrays)} arrays"
-        out = []
-        for meta in hdr.arrays:
-            dt = _DTYPES.get(meta.dtype)
-            if dt is None:
-                return f"dtype {meta.dtype!r} not allowed"
-            shape = tuple(meta.shape)  # Python ints: a product cannot wrap around
-            if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
-                return f"shape {shape} not allowed"
-            n = dt.itemsize
-            for d in shape:
-                n *= d
-            if self.max_frame_bytes is not None and n > self.max_frame_bytes:
-                return f"an array of {n} bytes (at most {self.max_frame_bytes} here)"
-            out.append((dt, shape, n))
-        return out
-
-    def _checked(self, msg: Message) -> tuple[Message | None, str]:
-        if msg.header.kind == pb.DATA:
-            if self.checker is None:
-                return None, f"{pb.Kind.Name(msg.header.kind)} before this process can check it"
-            reason = self.checker(msg)
-            if reason is not None:
-                return None, f"from {self.name_of(msg.sender)}: {reason}"
-        return msg, ""
-
     def _dispatch(self, msg: Message) -> None:
         sender, kind = msg.sender, msg.header.kind
-        with self._cond:
-            self._last_seen[sender] = time.monotonic()
-            self._heard.add(sender)
+        self.liveness.heard(sender)
         if kind == pb.HEARTBEAT:
             return
         if kind == pb.BYE:
+            self.liveness.said_bye(sender)
             with self._cond:
-                self._gone.add(sender)
                 self._cond.notify_all()
             return
         if kind == pb.ABORT:
@@ -499,43 +333,16 @@ class Endpoint:
     def timed_out(self, what: str, peers: Sequence[PeerId]) -> None:
         """Waiting for ``what`` from ``peers`` took longer than the timeout: fatal, naming the
         real cause (a silent peer upstream, if any, rather than the one waited on)."""
-        silent = self._silent(3 * self._hb_interval)
+        silent = self.liveness.silent(3 * self.liveness.interval)
         if silent:
-            self.fatal(self._lost(silent[0]))
+            self.fatal(self.liveness.lost(silent[0]))
         else:
             who = ", ".join(sorted({self.name_of(p) for p in peers})) or "this worker"
             self.fatal(f"{self.name}: timed out after {self.timeout:g} s waiting for {what} "
                        f"from {who}")
 
-    # ---------------------------------------------------------------------------- liveness
-    @property
-    def _hb_interval(self) -> float:
-        return max(0.05, min(1.0, self.timeout / 5))
-
-    def _silent(self, seconds: float) -> list[PeerId]:
-        """Peers (not gone) from which nothing was heard for ``seconds``."""
-        now = time.monotonic()
-        with self._cond:
-            return [p for p in self.peers
-                    if p not in self._gone and now - self._last_seen[p] > seconds]
-
-    def _lost(self, peer: PeerId) -> str:
-        with self._cond:
-            heard = peer in self._heard
-        if heard:
-            return (f"lost {self.name_of(peer)}: nothing heard for {self.timeout:g} s "
-                    "(the process died or hangs)")
-        return f"{self.name_of(peer)} did not come within {self.timeout:g} s (start-up barrier)"
-
-    def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self._hb_interval):
-            for p in self.peers:
-                if p not in self._gone:
-                    self.send(p, header(pb.HEARTBEAT))
-            late = self._silent(self.timeout)
-            if late:
-                self.fatal(self._lost(late[0]))
-                return
+    def _heartbeat(self, peer: PeerId) -> None:
+        self.send(peer, header(pb.HEARTBEAT))
 
     def fatal(self, reason: str, propagate: bool = True) -> None:
         """Stop this process's communication with ``reason``; tell every peer (once)."""
@@ -547,27 +354,19 @@ class Endpoint:
                 reason += f"; last good snapshot: {hint}"
             self.error = reason
             self.error_from_peer = not propagate
-            if self.exit_grace is not None:
-                # The training thread may be busy in a long compute; stop the process
-                # regardless, unless that thread takes the error first (disarm) and exits.
-                self._exit_timer = threading.Timer(self.exit_grace, _hard_exit, (reason,))
-                self._exit_timer.daemon = True
-                self._exit_timer.start()
             self._cond.notify_all()
-        if propagate:
-            self.broadcast([p for p in self.peers if p not in self._gone], header(pb.ABORT, reason=reason))
         for cb in self.on_fatal:
             cb(reason)
+        if propagate:
+            self.broadcast(self.liveness.present(), header(pb.ABORT, reason=reason))
 
     def disarm(self) -> None:
-        """The main thread has the error in hand and will exit: no forced exit needed."""
-        with self._cond:
-            if self._exit_timer is not None:
-                self._exit_timer.cancel()
+        """The main thread has the error in hand and will exit (``on_disarm``)."""
+        for cb in self.on_disarm:
+            cb()
 
     def all_gone(self, role: str) -> bool:
-        with self._cond:
-            return all(p in self._gone for p in self.peers if p[0] == role)
+        return self.liveness.all_gone(role)
 
     def close(self, say_bye: bool = True) -> None:
         if self.dropped:
@@ -577,7 +376,7 @@ class Endpoint:
                                 unauthenticated_messages=self.unauthenticated,
                                 incomplete_messages=self.incomplete)
         if say_bye and self.error is None:
-            self.broadcast([p for p in self.peers if p not in self._gone], header(pb.BYE))
+            self.broadcast(self.liveness.present(), header(pb.BYE))
         self._stop.set()
         for t in self._threads:
             if t is not threading.current_thread():
@@ -593,9 +392,3 @@ class Endpoint:
                 os.unlink(self._ipc_path)
             except FileNotFoundError:
                 pass
-
-
-def _hard_exit(reason: str) -> None:
-    sys.stderr.write(f"poseidon: error: {reason}\n")
-    sys.stderr.flush()
-    os._exit(1)

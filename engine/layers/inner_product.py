@@ -1,6 +1,7 @@
 """InnerProduct, Caffe's fully connected layer, and the two *sufficient factors* of its weight
 gradient, which it hands the distributed communicator (engine/factors.py: SFB sends them
-instead of the gradient, and the layer may skip its own weight-gradient GEMM)."""
+instead of the gradient, and the layer may skip its own weight-gradient GEMM); and Embed, its
+lookup-table form (InnerProduct on one-hot inputs)."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -9,9 +10,9 @@ from .. import backend
 from ..blob import Blob
 from ..factors import FactorSpec, SufficientFactors
 from ..fillers import fill
+from .axes import canonical_axis, row_indices, scatter_add_rows
 from .base import Layer, register
 from .blas import accumulate_matmul
-from .common import canonical_axis
 
 
 @register("InnerProduct", "INNER_PRODUCT")
@@ -119,3 +120,57 @@ class InnerProductLayer(Layer, SufficientFactors):
             raise self.fail("sufficient_factors() needs a backward pass that computed the "
                             "weight gradient (param_propagate_down[0]) first")
         return self._factors
+
+
+@register("Embed")
+class EmbedLayer(Layer):
+    """A lookup table: each bottom value is a row index into the (input_dim, num_output)
+    weight, and the top, of shape bottom shape + (num_output,), holds that row plus the
+    bias. InnerProduct on one-hot inputs, with the weight stored transposed; the index
+    bottom takes no gradient."""
+
+    exact_num_bottoms = 1
+    exact_num_tops = 1
+
+    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        p = self.param.embed_param
+        if p.num_output <= 0:
+            raise self.fail("embed_param.num_output must be positive")
+        if p.input_dim <= 0:
+            raise self.fail("embed_param.input_dim (1 + the largest index) must be positive")
+        self.num_output, self.input_dim = p.num_output, p.input_dim
+        self.bias_term = p.bias_term
+        xp = backend.get_array_module(bottom[0].data)
+        dtype = bottom[0].dtype
+        self.blobs = [Blob((self.input_dim, self.num_output), dtype=dtype, xp=xp,
+                           name=f"{self.name}/0")]
+        fill(p.weight_filler, self.blobs[0])
+        if self.bias_term:
+            self.blobs.append(Blob((self.num_output,), dtype=dtype, xp=xp, name=f"{self.name}/1"))
+            fill(p.bias_filler, self.blobs[1])
+        self.param_propagate_down = [True] * len(self.blobs)
+
+    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        top[0].reshape(bottom[0].shape + (self.num_output,))
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        # Caffe checks these only in debug builds; a release build reads out of bounds
+        self._index = row_indices(self, bottom[0].data, self.input_dim, "input",
+                                   whole=True)
+        y = top[0].data.reshape(self._index.size, self.num_output)
+        y[...] = self.blobs[0].data[self._index]
+        if self.bias_term:
+            y += self.blobs[1].data
+
+    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        if propagate_down[0]:
+            raise self.fail("cannot backpropagate to the index input")
+        dy = top[0].diff.reshape(self._index.size, self.num_output)
+        if self.param_propagate_down[0]:
+            scatter_add_rows(self.blobs[0].diff, self._index, dy)
+        if self.bias_term and self.param_propagate_down[1]:
+            self.blobs[1].diff += dy.sum(axis=0)
+
+    def allow_force_backward(self, bottom_index: int) -> bool:
+        return False

@@ -17,7 +17,7 @@ from ..blob import Blob
 from ..caffe_io import FormatError, read_blobproto
 from ..pb import caffe_pb2
 from .base import Layer, register
-from .common import softmax
+from .axes import softmax
 
 _NORM = caffe_pb2.LossParameter
 #: Caffe clamps probabilities at FLT_MIN before the log, in float and double alike

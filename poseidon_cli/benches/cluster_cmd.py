@@ -8,9 +8,9 @@ from pathlib import Path
 
 import click
 
-from .console import fail, user_errors
-from .plots import Curve, plot_speedup
-from .simulate_cmd import NO_MATPLOTLIB, parse_workers
+from ..console import fail, user_errors
+from ..plots import Curve, plot_speedup
+from ..options import NO_MATPLOTLIB, namespaces_or_fail, parse_workers
 
 
 @click.command("cluster")
@@ -46,7 +46,7 @@ def cluster(solver: str, workers: str, schemes: str, bandwidth: str, compute: st
     from engine.comm.link import parse_bandwidth
     from engine.perf.netns import ClusterError
 
-    from .benches import cluster as bench
+    from . import cluster as bench
 
     if compute == "replay" and trace_path is None:
         fail("--compute replay needs --trace (layer times to replay)")
@@ -98,18 +98,6 @@ def cluster(solver: str, workers: str, schemes: str, bandwidth: str, compute: st
         if plot and not plot_speedup(_curves(rows), plot, title):
             click.echo(f"{NO_MATPLOTLIB}; {plot} was not written (the measurements above "
                        "stand)")
-
-
-def namespaces_or_fail() -> None:
-    """Root and iproute2, or one line saying what is missing; then remove what an emulated
-    cluster killed midway left behind."""
-    from engine.perf.netns import ClusterError, check_root, cleanup_stale
-
-    try:
-        check_root()
-    except ClusterError as e:
-        fail(str(e))
-    cleanup_stale()
 
 
 def _curves(rows: list) -> list[Curve]:

@@ -7,36 +7,9 @@ from pathlib import Path
 
 import click
 
-from .console import fail, user_errors
+from ..console import fail, user_errors
+from ..options import parse_size, parse_sizes, parse_workers
 
-UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    t = text.strip().upper().rstrip("B")
-    mult = UNITS.get(t[-1:], 1)
-    try:
-        n = int(float(t[:-1] if t[-1:] in UNITS else t) * mult)
-    except ValueError:
-        raise ValueError(f"size {text!r}: expected e.g. 4K, 64M, 1048576") from None
-    if n < 4:
-        raise ValueError(f"size {text!r}: at least 4 bytes (one float)")
-    return n
-
-
-def parse_sizes(text: str) -> list[int]:
-    """'1K-256M' (powers of 4 between) or '64M' or '1K,64M'."""
-    out: list[int] = []
-    for part in text.split(","):
-        lo, sep, hi = part.partition("-")
-        if not sep:
-            out.append(parse_size(lo))
-            continue
-        a, b = parse_size(lo), parse_size(hi)
-        while a <= b:
-            out.append(a)
-            a *= 4
-    return sorted(set(out))
 
 
 @click.command("comm")
@@ -87,7 +60,6 @@ def comm(sizes: str | None, repeats: int, workers: str | None, allreduce: bool,
         stage_breakdown,
     )
 
-    from .simulate_cmd import parse_workers
 
     with user_errors():
         chosen = parse_sizes(sizes)
@@ -161,7 +133,6 @@ def allreduce_table(sizes: str, workers: str, repeats: int, json_path: str | Non
     from poseidon_cli.benches.allreduce import ENGINE_OF, run
     from poseidon_cli.benches.comm import cpu_name_and_blas
 
-    from .simulate_cmd import parse_workers
 
     with user_errors():
         chosen = parse_sizes(sizes)

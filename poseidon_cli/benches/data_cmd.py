@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .console import fail
+from ..console import fail
 
 
 @click.command("data")

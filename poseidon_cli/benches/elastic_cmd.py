@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from .console import fail, user_errors
-from .simulate_cmd import parse_workers
+from ..console import fail, user_errors
+from ..options import namespaces_or_fail, parse_workers
 
 
 @click.command("elastic")
@@ -39,9 +39,8 @@ def elastic(solver: str, trace_path: str, workers: str, bandwidth: str, time_sca
     from engine.comm.link import parse_bandwidth
     from engine.perf.netns import ClusterError
 
-    from .bench_cluster_cmd import namespaces_or_fail
 
-    from .benches import elastic as bench
+    from . import elastic as bench
 
     with user_errors():
         namespaces_or_fail()

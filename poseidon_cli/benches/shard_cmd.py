@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from .bench_comm_cmd import parse_size
-from .console import fail, user_errors
+from ..options import parse_size
+from ..console import fail, user_errors
 
 
 @click.command("shard")

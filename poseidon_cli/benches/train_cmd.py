@@ -9,8 +9,8 @@ import click
 
 from engine.comm.schemes import ENGINE_SCHEMES, NETWORK_SCHEMES, SCHEMES
 
-from .console import fail, user_errors
-from .simulate_cmd import parse_workers
+from ..console import fail, user_errors
+from ..options import parse_workers
 
 
 @click.command("train")
@@ -41,7 +41,7 @@ def train(workers: str, schemes: str | None, nets: str, iters: int, repeats: int
     from poseidon_cli.benches.comm import cpu_name_and_blas
     from poseidon_cli.benches.time import torch_available
 
-    from .benches.train import NETS, run
+    from .train import NETS, run
 
     if iters < 6:
         fail("--iters must be at least 6 (the first third is warm-up)")

@@ -9,13 +9,13 @@ import importlib
 import click
 
 SUBCOMMANDS = {
-    "cluster": "poseidon_cli.bench_cluster_cmd:cluster",
-    "comm": "poseidon_cli.bench_comm_cmd:comm",
-    "data": "poseidon_cli.bench_data_cmd:data",
-    "elastic": "poseidon_cli.bench_elastic_cmd:elastic",
-    "shard": "poseidon_cli.bench_shard_cmd:shard",
-    "time": "poseidon_cli.bench_time_cmd:time_cmd",
-    "train": "poseidon_cli.bench_train_cmd:train",
+    "cluster": "poseidon_cli.benches.cluster_cmd:cluster",
+    "comm": "poseidon_cli.benches.comm_cmd:comm",
+    "data": "poseidon_cli.benches.data_cmd:data",
+    "elastic": "poseidon_cli.benches.elastic_cmd:elastic",
+    "shard": "poseidon_cli.benches.shard_cmd:shard",
+    "time": "poseidon_cli.benches.time_cmd:time_cmd",
+    "train": "poseidon_cli.benches.train_cmd:train",
 }
 
 

@@ -28,7 +28,7 @@ def device_query(gpu: int | None) -> None:
     count = cupy.cuda.runtime.getDeviceCount()
     for dev in range(count) if gpu is None else [gpu]:
         if not 0 <= dev < count:
-            from .console import fail
+            from ..console import fail
             fail(f"--gpu {dev}: this machine has {count} GPU(s)")
         props = cupy.cuda.runtime.getDeviceProperties(dev)
         name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from .console import user_errors
+from ..console import user_errors
 
 
 @click.command("keygen")

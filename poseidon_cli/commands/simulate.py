@@ -18,40 +18,12 @@ import click
 
 from engine.comm.schemes import NETWORK_SCHEMES
 
-from .console import fail, user_errors
-from .plots import Curve, plot_speedup
+from ..console import fail, user_errors
+from ..options import NO_MATPLOTLIB, parse_shape, parse_workers
+from ..plots import Curve, plot_speedup
 
 
-def parse_workers(text: str) -> list[int]:
-    """'1,2,4,8' or '1-16' (every count) or a mix: '1,2,4-8'."""
-    out: list[int] = []
-    for part in text.split(","):
-        lo, sep, hi = part.strip().partition("-")
-        try:
-            a, b = int(lo), int(hi) if sep else int(lo)
-        except ValueError:
-            raise ValueError(f"--workers {text!r}: expected counts such as 1,2,4,8 or 1-16") from None
-        if a < 1 or b < a:
-            raise ValueError(f"--workers {text!r}: counts must be 1 or more, ranges low-high")
-        out.extend(range(a, b + 1))
-    return sorted(set(out))
 
-
-def parse_shape(text: str | None) -> list[int] | None:
-    if not text:
-        return None
-    try:
-        dims = [int(d) for d in text.replace("x", ",").split(",")]
-    except ValueError:
-        raise ValueError(f"--input-shape {text!r}: expected C,H,W such as 3,224,224") from None
-    if any(d < 1 for d in dims):
-        raise ValueError(f"--input-shape {text!r}: dimensions must be positive")
-    return dims
-
-
-#: said instead of a plot where matplotlib is missing (the checkout's extra: PyPI's
-#: `poseidon` is another project)
-NO_MATPLOTLIB = "--plot needs matplotlib: pip install -e '.[plot]' in the checkout"
 
 
 @click.command("simulate")

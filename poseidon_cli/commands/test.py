@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from .console import fail, user_errors
+from ..console import fail, user_errors
 
 
 @click.command("test")

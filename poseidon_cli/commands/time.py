@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from .console import fail, user_errors
+from ..console import fail, user_errors
 
 
 @click.command("time")
@@ -44,7 +44,7 @@ def time_cmd(model: str, iterations: int, phase: str, gpu: int | None, synthetic
         if synthetic:
             from pathlib import Path
             from engine.perf.netinfo import read_train_net, with_inputs
-            from .simulate_cmd import parse_shape
+            from ..options import parse_shape
             if phase != "TRAIN":
                 fail("--synthetic times the TRAIN phase's net; drop --phase TEST")
             param, _ = with_inputs(read_train_net(model), batch, input_shape=parse_shape(input_shape),

@@ -7,13 +7,13 @@ from typing import Any
 
 import click
 
-from .console import fail, user_errors
+from ..console import fail, user_errors
 
 # SIGNAL_ACTIONS: Caffe's -sigint_effect / -sighup_effect values
-from .launch.config import SIGNAL_ACTIONS, JobConfig, check_engines, cli_options
-from .launch.elastic.start import elastic_options, take_options
-from .warmup_cmd import echo as warmup_echo
-from .warmup_cmd import warm_kernels
+from ..job_config import SIGNAL_ACTIONS, JobConfig, check_engines, cli_options
+from ..launch.elastic.start import elastic_options, take_options
+from ..warming import echo as warmup_echo
+from ..warming import warm_kernels
 
 
 def parse_gpus(text: str, flag: str = "--gpu") -> list[int]:
@@ -56,7 +56,7 @@ def solver_gpu(solver: str) -> list[int] | None:
 
 
 def job_options(command: Any) -> Any:
-    """Add every JobConfig field that is an option of its own (launch/config.py declares them)."""
+    """Add every JobConfig field that is an option of its own (job_config.py declares them)."""
     for name, decls, kwargs, default in reversed(cli_options()):
         command = click.option(*decls, name, default=default, **kwargs)(command)
     return command
@@ -132,7 +132,7 @@ def train(solver: str, weights: str | None, gpu: str | None, pin: str | None, ho
     if nproc is not None and (hosts is not None or rank is not None):
         fail("-n starts local workers on free ports: give -n or --hosts/--rank, not both")
     pinned = tuple(gpus or ()) if pin is not None else None
-    from .launch.managers import place_run
+    from ..launch.managers import place_run
     if elastic is not None and rank is not None:
         fail("--rank places a worker in a fixed table; an elastic job's driver gives ranks")
     with user_errors():  # an elastic job's driver gives the ranks, not a manager's variables
@@ -172,13 +172,13 @@ def train(solver: str, weights: str | None, gpu: str | None, pin: str | None, ho
             # compiled here, once, not by each local worker in its first iterations
             warm_kernels(["float32"], warmup_echo, force=False)
         if elastic is not None:
-            from .launch.elastic.start import start
+            from ..launch.elastic.start import start
             start(config, elastic, hosts, host_list, nproc, launch)
         elif distributed:
-            from .launch import launcher
+            from ..launch import launcher
             launcher.start(config, managed, hosts, host_list, nproc, rank, launch)
         else:
             from engine.context import RunContext
 
-            from .training import train_process
+            from ..training import train_process
             train_process(config, RunContext(), gpus[0] if gpus else None)

@@ -25,7 +25,7 @@ from engine.comm.auth import KEY_ENV, job_key, key_hex, new_key
 from engine.comm.errors import CommError
 from engine.comm.hosts import HostEntry, is_local, local_addresses, table_json
 
-from .config import JobConfig, require_key
+from ..job_config import JobConfig, require_key
 from .managers import NodePlacement, Placement, rank_from_env
 from .relay import ErrorRelay
 from .tables import gpus_of

@@ -21,9 +21,7 @@ from engine.comm.auth import key_hex, parse_key
 from engine.comm.errors import CommError
 from engine.comm.hosts import HostEntry, check_fields, table_from_rows, table_rows
 
-#: after a fatal error, a process still busy computing is stopped this many seconds later
-EXIT_GRACE_S = 2.0
-
+from .exits import ForcedExit
 
 @dataclass(frozen=True)
 class ShardSettings:
@@ -109,8 +107,8 @@ def run_shard(settings: ShardSettings, key: bytes, entries: list[HostEntry]) -> 
         from engine import timeline as tl
         tl.start(settings.timeline, f"shard {settings.index}", f"shard{settings.index}")
     srv = ShardServer(settings.index, entries, key=key, timeout=settings.timeout,
-                      exit_grace=EXIT_GRACE_S, max_frame_bytes=settings.max_frame_bytes,
-                      threads=settings.threads)
+                      max_frame_bytes=settings.max_frame_bytes, threads=settings.threads)
+    ForcedExit().attach(srv.ep)
     try:
         srv.start()
         srv.serve()

@@ -25,7 +25,7 @@ from engine.comm.hosts import (
     table_of,
 )
 
-from .config import JobConfig
+from ..job_config import JobConfig
 from .hostfile import (
     DEFAULT_PORT,
     check_resolvable,

@@ -26,10 +26,11 @@ from engine.comm.hosts import HostEntry, is_local, local_addresses, table_from_j
 
 from ..console import user_errors
 from ..training import train_process
-from .config import JobConfig, require_key
+from ..job_config import JobConfig, require_key
 from .managers import Placement, detect
 from .relay import ErrorRelay
-from .shard import EXIT_GRACE_S, ShardSettings, ShardStarter
+from .exits import EXIT_GRACE_S, ForcedExit
+from .shard import ShardSettings, ShardStarter
 
 
 def run_worker(config: JobConfig, entries: list[HostEntry], rank: int, gpu: int | None) -> None:
@@ -161,8 +162,10 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
     relay.watch(shard)
     try:
         ep = open_worker(rank, entries, key=key, timeout=config.timeout, stats=stats,
-                         exit_grace=exit_grace, max_frame_bytes=max_frame,
+                         max_frame_bytes=max_frame,
                          snapshot_hint=lambda: str(solver.last_snapshot or "none"))
+        if exit_grace is not None:
+            ForcedExit(exit_grace).attach(ep)
         if shard_errors:
             ep.fatal(shard_errors[0])
         if on_endpoint is not None:

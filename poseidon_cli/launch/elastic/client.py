@@ -28,7 +28,8 @@ from zmq.utils.monitor import recv_monitor_message
 from engine.comm.auth import Signer, Verifier
 from engine.comm.errors import CommError
 
-from .protocol import DRIVER_KINDS, DRIVER_MESSAGE_BYTES, authenticate, encode, parse
+from .protocol import (DRIVER_KINDS, DRIVER_MESSAGE_BYTES, NONCE_CHARS, authenticate, encode,
+                       parse)
 
 _SIGNALS = {"stop": signal.SIGINT, "snapshot": getattr(signal, "SIGHUP", signal.SIGINT)}
 
@@ -40,8 +41,12 @@ class DriverClient:
         self.address, self.timeout = address, timeout
         self.hb = max(0.05, min(1.0, timeout / 5))
         self._signer, self._verifier = Signer(key), Verifier(key)
+        #: who this worker is to the driver: its socket's routing id, and the nonce its signed
+        #: JOIN carries (the driver checks they are one), the same after a reconnect
+        self.nonce = os.urandom(NONCE_CHARS // 2).hex()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.ROUTING_ID, self.nonce.encode())
         self._sock.setsockopt(zmq.LINGER, 2000)  # the last report leaves before we exit
         self._sock.setsockopt(zmq.MAXMSGSIZE, DRIVER_MESSAGE_BYTES)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -71,8 +76,9 @@ class DriverClient:
         self._outgoing.put((kind, fields))
         self._wake()
 
-    def join(self, nonce: str, host: str, port: int, machine: str) -> int:
+    def join(self, host: str, port: int, machine: str) -> int:
         """Register with the driver; this worker's id, or CommError with the refusal."""
+        nonce = self.nonce
         self.tell("join", nonce=nonce, host=host, port=port, machine=machine, pid=os.getpid())
         deadline = time.monotonic() + 2 * self.timeout
         while True:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,11 +28,11 @@ from engine.comm.errors import CommError
 
 from ...console import user_errors
 from ...signals import signal_requests
-from ..config import JobConfig, require_key
+from ...job_config import JobConfig, require_key
 from ..shard import ShardStarter
 from .boundary import Commits, ElasticSync
 from .client import DriverClient
-from .protocol import NONCE_CHARS, generation_key
+from .protocol import generation_key
 
 
 class Member:
@@ -84,7 +83,7 @@ class Member:
                 f"could not be written: {written['reason']}")) from None
 
     def _serve(self) -> None:
-        self.client.join(os.urandom(NONCE_CHARS // 2).hex(), self.host, self.port, self.machine)
+        self.client.join(self.host, self.port, self.machine)
         status, gen, reached, reason = "new", 0, 0, ""
         while True:
             if self.leaving:

@@ -14,7 +14,7 @@ import click
 
 from engine.comm.errors import CommError
 
-from ..config import JobConfig
+from ...job_config import JobConfig
 from .policy import ElasticSettings
 
 #: iterations between commits unless --commit-every says otherwise (README: measured cost)
