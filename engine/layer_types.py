@@ -7,10 +7,11 @@ and the import graph shows each edge (the layer modules import base.py, never th
 """
 from __future__ import annotations
 
-from .data import hdf5, window  # noqa: F401  (they register their layer types)
+from .data import hdf5, image_list, memory, window  # noqa: F401  (they register their types)
 from .data import layers as data_layers  # noqa: F401
-from .layers import (inner_product, lrn, loss, neuron, normalization,  # noqa: F401
-                     python_layer, recurrent, reductions, routing, vision)
+from .layers import (accuracy, inner_product, label_losses, lrn, loss,  # noqa: F401
+                     neuron, normalization, pooling, python_layer, recurrent, reductions,
+                     routing, vision)
 from .layers import input as input_layers  # noqa: F401
 from .layers.base import Layer, LayerError, create_layer, layer_class, register, registered_types
 

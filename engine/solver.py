@@ -24,9 +24,8 @@ rank logs.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Collection, Protocol, Sequence
+from typing import Any, Collection, Protocol, Sequence
 
 import numpy as np
 
@@ -34,6 +33,7 @@ from . import backend, glog
 from .context import RunContext
 from .pb import caffe_pb2
 from . import timeline
+from .evaluation import TestResult, loss_weights, run_test_passes, score_line
 from .solver_nets import SolverNets
 from .solver_snapshots import SolverSnapshots
 from .solvers import SolverError, clip_scale, learning_rate, make_rule, normalize, regularize, \
@@ -69,55 +69,6 @@ class GradientSync(Protocol):
     def state(self) -> bytes:
         """What a snapshot records so that a resumed run synchronises exactly as this one
         (Poseidon's syncer: the communication plan); b"" when nothing."""
-
-
-@dataclass
-class TestResult:
-    """Mean outputs of a test pass: (blob name, mean value, loss weight) per output element."""
-
-    scores: list[tuple[str, float, float]] = field(default_factory=list)
-    loss: float = 0.0
-
-
-def loss_weights(net: Any) -> dict[str, float]:
-    """Blob name -> loss weight for the net's loss outputs (Caffe's blob_loss_weights)."""
-    by_id = {id(net.top_vecs[li][j]): w for li, j, w in net.loss_tops}
-    return {name: by_id[id(blob)] for name, blob in net.blobs.items() if id(blob) in by_id}
-
-
-def run_test_passes(net: Any, iterations: int,
-                    on_batch: Callable[[int, str, float], None] | None = None,
-                    interrupted: Callable[[], bool] | None = None) -> TestResult | None:
-    """Forward ``net`` ``iterations`` times, summing every output element in float32 as
-    Caffe does; returns the means, or None when ``interrupted()`` said stop."""
-    weights = loss_weights(net)
-    sums: list[Any] = []
-    names: list[str] = []
-    loss = f32(0)
-    for i in range(iterations):
-        if interrupted is not None and interrupted():
-            return None
-        loss += f32(net.forward_prefilled())
-        k = 0
-        for name in net.output_blob_names:
-            for value in backend.to_numpy(net.blobs[name].data).astype(np.float32).ravel():
-                if i == 0:
-                    sums.append(value)
-                    names.append(name)
-                else:
-                    sums[k] += value
-                k += 1
-                if on_batch is not None:
-                    on_batch(i, name, float(value))
-    n = f32(max(iterations, 1))
-    return TestResult([(name, float(s / n), weights.get(name, 0.0)) for name, s in zip(names, sums)],
-                      float(loss / n))
-
-
-def score_line(name: str, value: float, weight: float) -> str:
-    """``name = v`` plus Caffe's `` (* w = x loss)`` for a loss output."""
-    tail = f" (* {glog.fmt(weight)} = {glog.fmt(f32(weight) * f32(value))} loss)" if weight else ""
-    return f"{name} = {glog.fmt(value)}{tail}"
 
 
 class Solver(SolverNets, SolverSnapshots):

@@ -190,3 +190,15 @@ def test_no_command_imports_another():
     assert len(commands) >= 16
     for m in sorted(commands):
         assert not g[m] & commands, f"{m} imports {sorted(g[m] & commands)}"
+
+
+#: the most lines a module of ours may have: a file over it holds several jobs
+MAX_LINES = 500
+
+
+def test_no_module_is_over_500_lines():
+    """Files with one job each (the generated protobuf modules aside)."""
+    long = {name: n for name, path in modules().items()
+            if not name.startswith("engine.pb.")
+            and (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"

@@ -1,5 +1,6 @@
-"""Caffe's stream data layers: the stream they share (StreamDataLayer), Data (LMDB/LevelDB),
-ImageData and MemoryData. WindowData is window.py's, HDF5Data and HDF5Output hdf5.py's.
+"""Caffe's stream data layers: the stream they share (StreamDataLayer), the image stream of
+Data and ImageData, and Data (LMDB/LevelDB). ImageData is image_list.py's, MemoryData
+memory.py's, WindowData window.py's, HDF5Data and HDF5Output hdf5.py's.
 
 Every data layer reads an endless *stream* of records: record ``k`` of the stream is record
 ``k mod N`` of the source (Caffe starts again at the first record when it reaches the end).
@@ -45,9 +46,8 @@ from .. import backend, glog
 from ..blob import Blob
 from ..layers.base import Layer, register
 from ..pb import caffe_pb2
-from .datum import DataError, datum_image, datum_is_encoded, load_image
+from .datum import DataError, datum_image, datum_is_encoded
 from .decoders import DecoderPool, DecodeStats, Pending, default_decoders
-from .imageset import ListEntry, read_image_list
 from .lmdb_source import DBSource, SourceNotFound, open_db
 from .prefetch import Prefetcher
 from .transformer import DataTransformer, crop_draws
@@ -455,101 +455,3 @@ class DataLayer(_ImageStreamLayer):
             self._spare.close()
 
 
-@register("ImageData", "IMAGE_DATA")
-class ImageDataLayer(_ImageStreamLayer):
-    """Caffe's ImageData layer: a list file of ``<path> <label>`` lines, images read from disk.
-
-    Images are read like cv::imread (BGR, or grey when ``is_color: false``) and resized with
-    OpenCV's bilinear rule when new_height/new_width are set. ``shuffle`` reorders the list
-    every pass (a permutation per pass, drawn from the layer's seed and the pass number).
-    """
-
-    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        ip = self.param.image_data_param
-        if (ip.new_height > 0) != (ip.new_width > 0):
-            raise self.fail("new_height and new_width must be set together")
-        if not ip.source:
-            raise self.fail("image_data_param.source is not set")
-        self.source = self.context.resolve(ip.source)
-        self.lines = self._read_list(self.source)
-        self._init_transformer()
-        self._shuffle_seed = self._draw_seed() if ip.shuffle else 0
-        self._perm: tuple[int, np.ndarray] = (-1, np.arange(0))
-        skip = int(backend.rng().integers(ip.rand_skip)) if ip.rand_skip else 0
-        # Caffe's prefetching layers all take their queue depth from data_param.prefetch
-        self._init_stream(ip.batch_size, skip, strided=True,
-                          prefetch=self.param.data_param.prefetch)
-        self._setup_image_tops(top)
-
-    def _read_list(self, path: Path) -> list[ListEntry]:
-        with self._named_errors():
-            return read_image_list(path)
-
-    def _fetch(self, k: int) -> _Record:
-        epoch, j = divmod(k, len(self.lines))
-        if self._shuffle_seed:
-            # one tuple, replaced whole: the consumer's thread may read it too (_following)
-            cached_epoch, perm = self._perm
-            if cached_epoch != epoch:
-                perm = np.random.default_rng([self._shuffle_seed, epoch]).permutation(
-                    len(self.lines))
-                self._perm = (epoch, perm)
-            j = int(perm[j])
-        entry = self.lines[j]
-        return _Record(k, j, entry, entry.label)
-
-    def _decode(self, record: _Record) -> tuple[np.ndarray, int]:
-        ip = self.param.image_data_param
-        # Caffe concatenates root_folder and the listed name as strings
-        path = self.context.resolve(ip.root_folder + record.key.name)
-        return load_image(path, ip.is_color, ip.new_height, ip.new_width), record.value
-
-    def _following(self, record: _Record) -> _Record:
-        return self._fetch(record.stream + 1)
-
-    def _describe(self, record: _Record) -> str:
-        return (f"image {record.key.name} ({self.source}:{record.key.line}, stream position "
-                f"{record.stream})")
-
-    def _source_size(self) -> int:
-        return len(self.lines)
-
-
-@register("MemoryData", "MEMORY_DATA")
-class MemoryDataLayer(StreamDataLayer):
-    """Caffe's MemoryData layer, fed from Python with ``reset(data, labels)`` (pycaffe's
-    ``net.set_input_arrays``). Arrays are used as given (no transformation), batches go
-    through them in order and wrap around."""
-
-    max_tops = 2
-
-    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        mp = self.param.memory_data_param
-        self.item_shape = (mp.channels, mp.height, mp.width)
-        if min(self.item_shape) <= 0:
-            raise self.fail("memory_data_param needs positive channels, height and width")
-        self._data: np.ndarray | None = None
-        self._labels = np.zeros(0, dtype=np.float32)
-        self._init_stream(mp.batch_size, 0, strided=True, prefetch=0)
-        self._shape_tops(top, [(self.batch_size, *self.item_shape), (self.batch_size,)])
-
-    def reset(self, data: np.ndarray, labels: np.ndarray) -> None:
-        """Use ``data`` (N, C, H, W) and ``labels`` (N,) or (N, 1, 1, 1) from the next batch on."""
-        data = np.asarray(data)
-        labels = np.asarray(labels).reshape(-1)
-        if data.ndim != 4 or data.shape[1:] != self.item_shape:
-            raise self.fail(f"data of shape {data.shape} does not match (N, {self.item_shape[0]}, "
-                            f"{self.item_shape[1]}, {self.item_shape[2]})")
-        if labels.shape[0] != data.shape[0]:
-            raise self.fail(f"{data.shape[0]} images but {labels.shape[0]} labels")
-        if data.shape[0] == 0 or data.shape[0] % self.batch_size:
-            raise self.fail(f"the number of images ({data.shape[0]}) must be a positive multiple "
-                            f"of batch_size ({self.batch_size})")
-        self._data, self._labels = data, labels.astype(np.float32)
-        self.seek(0)
-
-    def _load(self, pos: int) -> tuple[np.ndarray, ...]:
-        if self._data is None:
-            raise self.fail("no data: call reset(data, labels) first (pycaffe's set_input_arrays)")
-        idx = self.record_indices(pos) % self._data.shape[0]
-        return self._data[idx], self._labels[idx]

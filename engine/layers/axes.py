@@ -75,3 +75,13 @@ def scatter_add_rows(target: Any, index: Any, rows: Any) -> None:
     flat = (slot.reshape(-1, 1) * width + xp.arange(width)).reshape(-1)
     sums = xp.bincount(flat, weights=rows.reshape(-1), minlength=distinct.size * width)
     target[distinct] += sums.reshape(distinct.size, width).astype(target.dtype, copy=False)
+
+
+def legacy_shape(layer: Layer, blob: Blob) -> tuple[int, int, int, int]:
+    """Caffe's legacy (num, channels, height, width) accessors: a blob of at most 4 axes,
+    the missing trailing ones read as 1."""
+    if blob.num_axes() > 4:
+        raise layer.fail(f"needs a blob of at most 4 axes (num, channels, height, width), "
+                         f"got shape {blob.shape}")
+    n, c, h, w = blob.shape + (1,) * (4 - blob.num_axes())
+    return n, c, h, w

@@ -1,5 +1,6 @@
-"""Caffe's loss layers (SoftmaxWithLoss, SigmoidCrossEntropyLoss, EuclideanLoss, HingeLoss,
-InfogainLoss, MultinomialLogisticLoss, ContrastiveLoss) and the Accuracy layer, with BVLC
+"""Caffe's loss layers of class scores (SoftmaxWithLoss, InfogainLoss, SigmoidCrossEntropyLoss)
+and EuclideanLoss, with what every loss shares (the base, label checks, normalization; the
+losses of one label or pair per item are label_losses.py, Accuracy accuracy.py), with BVLC
 Caffe 1.0's numerics.
 
 A loss layer writes a scalar (shape ``()``) to ``top[0]`` and in backward scales its
@@ -23,7 +24,7 @@ _NORM = caffe_pb2.LossParameter
 #: Caffe clamps probabilities at FLT_MIN before the log, in float and double alike
 _FLT_MIN = float(np.finfo(np.float32).tiny)
 #: the floor of Caffe's kLOG_THRESHOLD losses: the float 1e-20, also in double nets
-_LOG_THRESHOLD = float(np.float32(1e-20))
+LOG_THRESHOLD = float(np.float32(1e-20))
 
 
 def _normalization(loss_param: Any, default: int) -> int:
@@ -72,7 +73,7 @@ class LossLayer(Layer):
             raise self.fail("cannot backpropagate to label inputs")
 
 
-class _ClassLabels:
+class ClassLabels:
     """Integer labels of shape (outer, inner) for scores of shape (outer, classes, inner),
     with the ignore mask; shared by SoftmaxWithLoss and Accuracy."""
 
@@ -104,7 +105,7 @@ class _ClassLabels:
         return values * v
 
 
-def _split_at(layer: Layer, blob: Blob, axis: int) -> tuple[int, int, int, int]:
+def split_at(layer: Layer, blob: Blob, axis: int) -> tuple[int, int, int, int]:
     """(canonical axis, outer, classes, inner) of ``blob`` around ``axis``."""
     try:
         a = blob.canonical_axis(axis)
@@ -113,7 +114,7 @@ def _split_at(layer: Layer, blob: Blob, axis: int) -> tuple[int, int, int, int]:
     return a, blob.count_range(0, a), blob.shape[a], blob.count_range(a + 1)
 
 
-def _check_label_count(layer: Layer, label: Blob, outer: int, inner: int,
+def check_label_count(layer: Layer, label: Blob, outer: int, inner: int,
                        pred: Blob, axis: int) -> None:
     if label.count != outer * inner:
         raise layer.fail(f"number of labels ({label.count}, shape {label.shape}) must match "
@@ -139,8 +140,8 @@ class SoftmaxWithLossLayer(LossLayer):
 
     def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
         super().reshape(bottom, top)
-        self.caxis, self.outer, self.classes, self.inner = _split_at(self, bottom[0], self.axis)
-        _check_label_count(self, bottom[1], self.outer, self.inner, bottom[0], self.axis)
+        self.caxis, self.outer, self.classes, self.inner = split_at(self, bottom[0], self.axis)
+        check_label_count(self, bottom[1], self.outer, self.inner, bottom[0], self.axis)
         if len(top) > 1:
             top[1].reshape(bottom[0].shape)
 
@@ -154,7 +155,7 @@ class SoftmaxWithLossLayer(LossLayer):
             # (the simulator) never holds an activation-sized array
             self.prob = backend.get_array_module(bottom[0].data).empty_like(bottom[0].data)
         softmax(bottom[0].data, self.caxis, self.prob)
-        self.labels = _ClassLabels(self, bottom[1].data, self.outer, self.inner,
+        self.labels = ClassLabels(self, bottom[1].data, self.outer, self.inner,
                                    self.classes, self.ignore_label)
         return self.prob.reshape(self.outer, self.classes, self.inner)
 
@@ -271,97 +272,6 @@ class EuclideanLossLayer(LossLayer):
                 xp.multiply(self.diff.reshape(b.shape), top[0].diff * sign / num, out=b.diff)
 
 
-def legacy_shape(layer: Layer, blob: Blob) -> tuple[int, int, int, int]:
-    """Caffe's legacy (num, channels, height, width) accessors: a blob of at most 4 axes,
-    the missing trailing ones read as 1."""
-    if blob.num_axes() > 4:
-        raise layer.fail(f"needs a blob of at most 4 axes (num, channels, height, width), "
-                         f"got shape {blob.shape}")
-    n, c, h, w = blob.shape + (1,) * (4 - blob.num_axes())
-    return n, c, h, w
-
-
-class _OneLabelPerItem(LossLayer):
-    """A loss on bottom[0] seen as (num, dim) with one class label per item: Caffe's
-    HingeLoss and MultinomialLogisticLoss."""
-
-    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        super().reshape(bottom, top)
-        legacy_shape(self, bottom[0])
-        # Caffe reads label[i] for item i; any other label layout would pair items with
-        # the wrong labels, so it is refused (MultinomialLogisticLoss checks this too).
-        if legacy_shape(self, bottom[1])[1:] != (1, 1, 1):
-            raise self.fail(f"label shape {bottom[1].shape} must be (num, 1, 1, 1): one label "
-                            f"per item")
-        self.num, self.dim = bottom[0].shape[0], bottom[0].count_range(1)
-
-    def _items(self, a: Any) -> Any:
-        return a.reshape(self.num, self.dim)
-
-    def _label_index(self, bottom: Sequence[Blob]) -> tuple[Any, Any]:
-        """(rows, labels): fancy indices of each item's label score in ``_items``."""
-        xp = backend.get_array_module(bottom[1].data)
-        lab = _ClassLabels(self, bottom[1].data, self.num, 1, self.dim, None).lab[:, 0]
-        return xp.arange(self.num), lab
-
-
-@register("HingeLoss", "HINGE_LOSS")
-class HingeLossLayer(_OneLabelPerItem):
-    """One-vs-all hinge loss: with t = -1 except t = +1 at the label,
-    L1: sum max(0, 1 - t·x) / num, L2: sum max(0, 1 - t·x)² / num."""
-
-    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        self.squared = self.param.hinge_loss_param.norm == caffe_pb2.HingeLossParameter.L2
-
-    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        xp = backend.get_array_module(bottom[0].data)
-        self.index = self._label_index(bottom)
-        m = self._items(bottom[0].data).copy()
-        m[self.index] *= -1
-        m += 1
-        xp.maximum(m, 0, out=m)
-        self.margins = m
-        flat = m.reshape(-1)
-        total = xp.dot(flat, flat) if self.squared else flat.sum()
-        top[0].data[...] = total / self.num
-
-    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
-                 bottom: Sequence[Blob]) -> None:
-        self._no_label_gradient(propagate_down)
-        if not propagate_down[0]:
-            return
-        xp = backend.get_array_module(self.margins)
-        d = self._items(bottom[0].diff)
-        if self.squared:
-            xp.multiply(self.margins, top[0].diff * 2 / self.num, out=d)
-        else:  # Caffe's sign(0) is 0: a satisfied margin gives no gradient
-            xp.sign(self.margins, out=d)
-            d *= top[0].diff / self.num
-        d[self.index] *= -1
-
-
-@register("MultinomialLogisticLoss", "MULTINOMIAL_LOGISTIC_LOSS")
-class MultinomialLogisticLossLayer(_OneLabelPerItem):
-    """-sum log p[label] / num for probabilities p given directly as bottom[0] (no softmax),
-    each floored at Caffe's kLOG_THRESHOLD."""
-
-    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        xp = backend.get_array_module(bottom[0].data)
-        self.index = self._label_index(bottom)
-        p = self._items(bottom[0].data)[self.index]
-        self.picked = xp.maximum(p, p.dtype.type(_LOG_THRESHOLD))
-        top[0].data[...] = -xp.log(self.picked).sum() / self.num
-
-    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
-                 bottom: Sequence[Blob]) -> None:
-        self._no_label_gradient(propagate_down)
-        if not propagate_down[0]:
-            return
-        d = self._items(bottom[0].diff)
-        d[...] = 0
-        d[self.index] = (-top[0].diff / self.num) / self.picked
-
-
 @register("InfogainLoss", "INFOGAIN_LOSS")
 class InfogainLossLayer(SoftmaxWithLossLayer):
     """-sum_l H[label, l] log p_l over the softmax p of bottom[0] along
@@ -419,7 +329,7 @@ class InfogainLossLayer(SoftmaxWithLossLayer):
     def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
         xp = backend.get_array_module(bottom[0].data)
         prob = self._softmax_and_labels(bottom, top)
-        logp = xp.log(xp.maximum(prob, prob.dtype.type(_LOG_THRESHOLD)))
+        logp = xp.log(xp.maximum(prob, prob.dtype.type(LOG_THRESHOLD)))
         weighted = self.labels.mask(self._label_rows(self._h(bottom)) * logp)
         self.normalizer = _normalizer(self.normalization, self.outer, self.inner,
                                       self.labels.count)
@@ -441,120 +351,3 @@ class InfogainLossLayer(SoftmaxWithLossLayer):
         d *= top[0].diff / self.normalizer
 
 
-@register("ContrastiveLoss", "CONTRASTIVE_LOSS")
-class ContrastiveLossLayer(LossLayer):
-    """Hadsell et al.'s contrastive loss of feature pairs (a, b) with similarity y:
-    sum over items of y·d² + (1 - y)·max(margin - d, 0)², over 2·num, d = ||a - b||;
-    legacy_version uses max(margin - d², 0) for dissimilar pairs. y is bottom[2]; only a
-    and b take gradients."""
-
-    exact_num_bottoms = 3
-
-    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        p = self.param.contrastive_loss_param
-        self.margin = float(p.margin)
-        self.legacy = bool(p.legacy_version)
-
-    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        super().reshape(bottom, top)
-        a, b, y = (legacy_shape(self, blob) for blob in bottom)
-        if a[1:] != b[1:] or a[2:] != (1, 1):
-            raise self.fail(f"the feature bottoms must both be (num, channels, 1, 1) with the "
-                            f"same channels, got {bottom[0].shape} and {bottom[1].shape}")
-        if y != (a[0], 1, 1, 1):
-            raise self.fail(f"the similarity bottom must be ({a[0]}, 1, 1, 1): one label per "
-                            f"pair, got shape {bottom[2].shape}")
-        self.num, self.channels = a[0], a[1]
-
-    def allow_force_backward(self, bottom_index: int) -> bool:
-        return bottom_index != 2
-
-    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        xp = backend.get_array_module(bottom[0].data)
-        margin = bottom[0].dtype.type(self.margin)
-        self.diff = (bottom[0].data.reshape(self.num, self.channels)
-                     - bottom[1].data.reshape(self.num, self.channels))
-        self.dist_sq = xp.einsum("ij,ij->i", self.diff, self.diff)
-        # static_cast<int>: a similarity of 0.5 counts as dissimilar
-        self.similar = bottom[2].data.reshape(-1).astype(xp.int64) != 0
-        if self.legacy:
-            apart = xp.maximum(margin - self.dist_sq, 0)
-        else:
-            apart = xp.maximum(margin - xp.sqrt(self.dist_sq), 0) ** 2
-        per_pair = xp.where(self.similar, self.dist_sq, apart)
-        top[0].data[...] = per_pair.sum() / self.num / 2
-
-    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
-                 bottom: Sequence[Blob]) -> None:
-        if len(propagate_down) > 2 and propagate_down[2]:
-            raise self.fail("cannot backpropagate to the similarity input")
-        if not (propagate_down[0] or propagate_down[1]):
-            return
-        xp = backend.get_array_module(self.diff)
-        dt = self.diff.dtype.type
-        margin = dt(self.margin)
-        if self.legacy:
-            slack = margin - self.dist_sq
-            pull = xp.full_like(slack, -1)
-        else:
-            dist = xp.sqrt(self.dist_sq)
-            slack = margin - dist
-            # Caffe's 1e-4 keeps identical features from dividing by zero; it also makes
-            # this gradient differ from the loss's exact one by that relative amount.
-            pull = -slack / (dist + dt(1e-4))
-        coeff = xp.where(self.similar, dt(1), xp.where(slack > 0, pull, dt(0)))
-        for i, sign in ((0, 1), (1, -1)):
-            if propagate_down[i]:
-                alpha = sign * top[0].diff / self.num
-                xp.multiply(self.diff, (coeff * alpha)[:, None],
-                            out=bottom[i].diff.reshape(self.num, self.channels))
-
-
-@register("Accuracy", "ACCURACY")
-class AccuracyLayer(Layer):
-    """Top-k classification accuracy over non-ignored labels; an optional second top holds
-    the accuracy per class.
-
-    Ranking is Caffe 1.0's: a partial sort on (score, class index) pairs, so a class whose
-    score equals the true class's score outranks it when its index is higher. The label is
-    counted correct when fewer than top_k classes outrank it.
-    """
-
-    exact_num_bottoms = 2
-    min_tops = 1
-    max_tops = 2
-
-    def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        ap = self.param.accuracy_param
-        self.top_k = ap.top_k
-        self.axis = ap.axis
-        self.ignore_label = ap.ignore_label if ap.HasField("ignore_label") else None
-
-    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        _, self.outer, self.classes, self.inner = _split_at(self, bottom[0], self.axis)
-        if self.top_k > self.classes:
-            raise self.fail(f"top_k {self.top_k} exceeds the number of classes {self.classes}")
-        _check_label_count(self, bottom[1], self.outer, self.inner, bottom[0], self.axis)
-        top[0].reshape(())
-        if len(top) > 1:
-            top[1].reshape((self.classes,))
-
-    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        xp = backend.get_array_module(bottom[0].data)
-        scores = bottom[0].data.reshape(self.outer, self.classes, self.inner)
-        labels = _ClassLabels(self, bottom[1].data, self.outer, self.inner, self.classes,
-                              self.ignore_label)
-        true = labels.pick(scores)[:, None, :]
-        lab = labels.lab[:, None, :]
-        cls = xp.arange(self.classes)[None, :, None]
-        outranks = (scores > true) | ((scores == true) & (cls > lab))
-        correct = labels.mask(outranks.sum(axis=1) < self.top_k)
-        # no valid label at all gives 0 (Caffe 1.0 divides 0 by 0; later Caffe gives 0)
-        top[0].data[...] = correct.sum() / max(labels.count, 1)
-        if len(top) > 1:
-            flat_lab = labels.lab.reshape(-1)
-            seen = labels.mask(xp.ones(labels.lab.shape, dtype=top[1].data.dtype))
-            nums = xp.bincount(flat_lab, weights=seen.reshape(-1), minlength=self.classes)
-            hits = xp.bincount(flat_lab, weights=correct.reshape(-1).astype(nums.dtype),
-                               minlength=self.classes)
-            top[1].data[...] = hits / xp.maximum(nums, 1)

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 from .. import backend, fillers
 from ..blob import Blob
 from .base import Layer, register
-from .loss import legacy_shape
+from .axes import legacy_shape
 
 
 @register("BatchNorm")

@@ -116,7 +116,7 @@ def with_inputs(net: caffe_pb2.NetParameter, batch: int | None = None,
                 input_shape: Sequence[int] | None = None,
                 where: Path | None = None) -> tuple[caffe_pb2.NetParameter, int]:
     """The TRAIN-phase net with each data layer replaced by an Input layer; (net, batch)."""
-    from engine.net import filter_net
+    from engine.net_param import filter_net
 
     state = caffe_pb2.NetState(phase=caffe_pb2.TRAIN)
     out = filter_net(net, state)

@@ -51,15 +51,8 @@ def comm(sizes: str | None, repeats: int, workers: str | None, allreduce: bool,
         allreduce_table(sizes or "64K,1M,64M", workers or "2,4", repeats, json_path)
         return
     sizes, workers = sizes or "1K-256M", workers or "2,4,8,16"
-    from poseidon_cli.benches.comm import (
-        auth_bytes_per_s,
-        cpu_name_and_blas,
-        gloo_available,
-        run,
-        scheme_times,
-        stage_breakdown,
-    )
-
+    from poseidon_cli.benches.comm import cpu_name_and_blas, gloo_available, run, scheme_times
+    from poseidon_cli.benches.comm_stages import auth_bytes_per_s, stage_breakdown
 
     with user_errors():
         chosen = parse_sizes(sizes)

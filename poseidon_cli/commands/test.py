@@ -21,7 +21,7 @@ def test(model: str, weights: str, iterations: int, gpu: int | None, level: int,
          stage: tuple[str, ...]) -> None:
     """Per-batch outputs, then the mean of every output and the loss, as `caffe test` prints."""
     from engine import backend, glog
-    from engine.solver import run_test_passes, score_line
+    from engine.evaluation import run_test_passes, score_line
 
     if iterations < 0:
         fail(f"--iterations must be >= 0, got {iterations}")
