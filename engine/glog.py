@@ -54,8 +54,22 @@ class _GlogHandler(logging.Handler):
                 stream.flush()
 
 
+#: glog's GLOG_minloglevel: 0 INFO, 1 WARNING, 2 ERROR, 3 FATAL
+_MIN_LEVELS = {"0": logging.DEBUG, "1": logging.WARNING, "2": logging.ERROR,
+               "3": logging.CRITICAL}
+
+
+def min_level(environ: dict[str, str] | None = None) -> int:
+    """The least severity printed: glog's GLOG_minloglevel (a pycaffe script sets it to 2 to
+    keep every Net and Solver quiet), INFO when unset or not a level."""
+    import os
+    value = (os.environ if environ is None else environ).get("GLOG_minloglevel", "0").strip()
+    return _MIN_LEVELS.get(value, logging.DEBUG)
+
+
 def _install() -> None:
     handler = _GlogHandler()
+    handler.setLevel(min_level())
     handler.setFormatter(GlogFormatter())
     for name in ROOTS:
         logger = logging.getLogger(name)

@@ -31,6 +31,8 @@ def user_errors() -> Iterator[None]:
     """
     try:
         yield
+    except BrokenPipeError:
+        raise  # a reader that stopped reading (`| head`): click ends quietly
     except (ValueError, OSError, KeyError, RuntimeError) as e:
         if os.environ.get("POSEIDON_DEBUG"):
             raise
@@ -41,6 +43,11 @@ def user_errors() -> Iterator[None]:
             raise
         fail(f"out of memory{': ' + str(e) if str(e) else ''} (a smaller batch, or a machine "
              "with more memory?)")
+
+
+def plural(n: int, word: str) -> str:
+    """'1 worker', '2 workers'."""
+    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def fail(message: str, code: int = 1) -> NoReturn:

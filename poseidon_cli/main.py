@@ -50,6 +50,8 @@ class LazyGroup(click.Group):
 
     def main(self, args: list[str] | None = None, *rest: object, **kwargs: object) -> object:
         args = list(sys.argv[1:] if args is None else args)
+        # (a reader that stopped reading, `| head`: click ends quietly with exit code 1, as a
+        # tool killed by SIGPIPE ends non-zero; user_errors lets that error through to it)
         return super().main(caffe_flags(args), *rest, **kwargs)  # type: ignore[arg-type]
 
 

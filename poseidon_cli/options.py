@@ -37,6 +37,13 @@ def parse_shape(text: str | None) -> list[int] | None:
 NO_MATPLOTLIB = "--plot needs matplotlib: pip install -e '.[plot]' in the checkout"
 
 
+def check_plot(plot: str | None) -> None:
+    """--plot asked and matplotlib missing: say so now, before the work, not after it."""
+    import importlib.util
+    if plot is not None and importlib.util.find_spec("matplotlib") is None:
+        fail(NO_MATPLOTLIB)
+
+
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 

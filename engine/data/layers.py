@@ -67,6 +67,23 @@ def _how_to_make(path: Path) -> str:
             f"mnist|cifar10|fashion-mnist|digits --out DIR`")
 
 
+def _nearest_database(places: Sequence[Path]) -> Path | None:
+    """A database beside one of ``places`` whose name is close to the one asked for (a
+    typo), or None."""
+    import difflib
+
+    for place in places:
+        try:
+            beside = [d.name for d in place.parent.iterdir()
+                      if (d / "data.mdb").is_file() or (d / "CURRENT").is_file()]
+        except OSError:
+            continue
+        near = difflib.get_close_matches(place.name, beside, n=1, cutoff=0.75)
+        if near:
+            return place.parent / near[0]
+    return None
+
+
 class PendingBatch:
     """One batch being filled by decoding jobs, each writing its own rows (engine.data.decoders)."""
 
@@ -410,12 +427,16 @@ class DataLayer(_ImageStreamLayer):
                 # first), so they can be views of its pages
                 self._db: DBSource = open_db(self.source, backend_name, zero_copy=True)
             except SourceNotFound:
-                places = [Path(os.path.abspath(p)) for p in ctx.candidates(source)]
+                # each place once: two bases of the search can be one folder
+                places = list(dict.fromkeys(Path(os.path.abspath(p))
+                                            for p in ctx.candidates(source)))
                 looked = "" if len(places) == 1 else " (nor " + ", ".join(
                     str(p) for p in places[1:]) + ")"
                 named = "" if Path(source).is_absolute() else f", from source {source!r}"
+                near = _nearest_database(places)
+                advice = f"did you mean {near}?" if near else _how_to_make(places[0])
                 raise DataError(f"{backend_name} not found: {places[0]}{looked}{named} "
-                                f"({_how_to_make(places[0])})") from None
+                                f"({advice})") from None
         self._spare: DBSource | None = None
         self._init_transformer()
         skip = int(backend.rng().integers(dp.rand_skip)) if dp.rand_skip else 0

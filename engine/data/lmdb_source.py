@@ -119,7 +119,12 @@ class LMDBSource(DBSource):
             self._cursor = self._txn.cursor()
         except lmdb.Error as e:
             self.close()
-            raise DataError(f"cannot open LMDB {self.path}: {e}") from None
+            hint = ""
+            if "already open in this process" in str(e):  # LMDB allows one per process
+                hint = (": this process opened it itself (lmdb.open in your script?); close "
+                        "that environment (env.close()) before building the net, or read the "
+                        "records through the net's data layer")
+            raise DataError(f"cannot open LMDB {self.path}: {e}{hint}") from None
         if self._count == 0:
             self.close()
             raise DataError(f"LMDB is empty: {self.path}")

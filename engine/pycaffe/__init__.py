@@ -4,8 +4,9 @@ Installed under the import name ``caffe`` (pyproject maps it here, no top-level 
 offers what pycaffe's ``caffe/__init__.py`` does: ``Net`` and the six solvers with
 ``get_solver`` (net.py, solver.py), ``Layer`` for Python layers, ``TRAIN``/``TEST``, the mode,
 device, seed and logging functions, ``layer_type_list``, ``has_nccl``, ``Classifier``,
-``Detector``, ``io``, and ``net_spec``'s ``layers``/``params``/``NetSpec``/``to_proto``;
-``caffe.draw``, ``caffe.coord_map`` and ``caffe.proto.caffe_pb2`` import as submodules.
+``Detector``, ``io``, ``proto`` (``caffe.proto.caffe_pb2`` after a bare ``import caffe``, as
+BVLC's allows), and ``net_spec``'s ``layers``/``params``/``NetSpec``/``to_proto``;
+``caffe.draw`` and ``caffe.coord_map`` import as submodules.
 
 A real BVLC pycaffe and this package both answer to ``import caffe``: whichever comes first
 on ``sys.path`` wins. Keep them in separate virtualenvs (README, "For pycaffe users").
@@ -19,7 +20,7 @@ from engine.allocator import tune_allocator
 from engine.layer_types import layer_class, registered_types
 from engine.layers.python_layer import TEST, TRAIN, PyLayer as Layer
 
-from . import io
+from . import io, proto
 from .classifier import Classifier
 from .detector import Detector
 from .net import Net

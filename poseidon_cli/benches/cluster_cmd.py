@@ -10,7 +10,7 @@ import click
 
 from ..console import fail, user_errors
 from ..plots import Curve, plot_speedup
-from ..options import NO_MATPLOTLIB, namespaces_or_fail, parse_workers
+from ..options import NO_MATPLOTLIB, check_plot, namespaces_or_fail, parse_workers
 
 
 @click.command("cluster")
@@ -43,6 +43,7 @@ def cluster(solver: str, workers: str, schemes: str, bandwidth: str, compute: st
             trace_path: str | None, time_scale: float, slots: int, iters: int, warmup: int,
             json_path: str | None, plot: str | None) -> None:
     """Real workers in network namespaces over shaped links, next to `simulate`'s prediction."""
+    check_plot(plot)
     from engine.comm.link import parse_bandwidth
     from engine.perf.netns import ClusterError
 

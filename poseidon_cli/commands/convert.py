@@ -171,5 +171,7 @@ def convert(src: str, dst: str | None, info: bool) -> None:
         click.echo(_convert(src, dst))
     except FormatError as e:
         fail(str(e))
+    except BrokenPipeError:
+        raise  # the reader stopped reading (`| head`): click ends quietly
     except OSError as e:
         fail(f"{e.filename or dst}: {e.strerror or e}")

@@ -19,7 +19,7 @@ import click
 from engine.comm.schemes import NETWORK_SCHEMES
 
 from ..console import fail, user_errors
-from ..options import NO_MATPLOTLIB, parse_shape, parse_workers
+from ..options import NO_MATPLOTLIB, check_plot, parse_shape, parse_workers
 from ..plots import Curve, plot_speedup
 
 
@@ -77,6 +77,7 @@ def simulate(model: str, trace_path: str | None, estimate: bool, batch: int | No
              measured_comm: bool, chunk_bytes: int, save_trace: str | None, as_json: bool,
              plot: str | None) -> None:
     """Predict iteration time, exposed communication and speedup per scheme and worker count."""
+    check_plot(plot)
     from engine.comm.link import (
         UNFAIR_MEASURED,
         Link,

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from ..console import fail, user_errors
+from ..console import fail, plural, user_errors
 
 # SIGNAL_ACTIONS: Caffe's -sigint_effect / -sighup_effect values
 from ..job_config import SIGNAL_ACTIONS, JobConfig, check_engines, cli_options
@@ -168,6 +168,10 @@ def train(solver: str, weights: str | None, gpu: str | None, pin: str | None, ho
                            pin_gpus=pinned is not None, signal_effects=effects, **options)
         if distributed:
             check_engines(config, elastic is not None, gpus is not None)
+        if nproc is not None and gpus is None:
+            crowded = crowding(nproc)
+            if crowded:
+                click.echo(f"poseidon: note: {crowded}", err=True)
         if gpus is None and config.replay is None and rank is None and managed is None:
             # compiled here, once, not by each local worker in its first iterations
             warm_kernels(["float32"], warmup_echo, force=False)
@@ -182,3 +186,18 @@ def train(solver: str, weights: str | None, gpu: str | None, pin: str | None, ho
 
             from ..training import train_process
             train_process(config, RunContext(), gpus[0] if gpus else None)
+
+
+def crowding(workers: int) -> str | None:
+    """When ``workers`` local CPU workers and what already runs outnumber this machine's
+    cores: a line saying they share them (each worker gets less than a core: a run may be
+    slower than one process); None where they fit."""
+    cores = os.cpu_count() or 1
+    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if workers + busy <= cores + 0.5:
+        return None
+    return (f"{plural(workers, 'worker')} on {plural(cores, 'core')}, which other processes "
+            f"already keep {busy:.1f} busy: they share them, each with about "
+            f"{min(1.0, cores / (workers + busy)):.1f} of a core, so this run may be slower "
+            "than one process (leave out -n); more workers help where they have cores of "
+            "their own")

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 from engine.comm.errors import CommError
 from engine.comm.hosts import HostEntry, is_local, local_addresses, table_from_json
 
-from ..console import user_errors
+from ..console import plural, user_errors
 from ..training import train_process
 from ..job_config import JobConfig, require_key
 from .managers import Placement, detect
@@ -125,7 +125,8 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
         levels = (f" ({world // plan.slots} machines of {plan.slots}, reducing inside each "
                   "machine first)" if plan.slots > 1 else "")
         wire = f"; wire {plan.wire()}" if plan.codec != "fp32" else ""
-        glog.info(f"Communication plan for {world} workers{levels}: {plan.summary()} ({why})"
+        glog.info(f"Communication plan for {plural(world, 'worker')}{levels}: {plan.summary()} "
+                  f"({why})"
                   f"{wire}")
         written = f"{solver.snapshot_prefix()}_plan.prototxt"
         try:
@@ -224,7 +225,7 @@ def run_managed(config: JobConfig, placement: Placement) -> None:
         counts = [len(m) for m in machines(entries)]
         host, port = placement.master or ("?", 0)
         glog.info(f"Rendezvous ({placement.manager}) at {host}:{port}: "
-                  f"{len(entries)} workers on {len(counts)} machines "
+                  f"{plural(len(entries), 'worker')} on {plural(len(counts), 'machine')} "
                   f"({', '.join(map(str, counts))} workers)")
     if config.pin_gpus and gpus is not None:
         check_pinned(entries, gpus)
