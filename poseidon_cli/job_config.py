@@ -58,7 +58,12 @@ class JobConfig:
         f"collective engines ({', '.join(ENGINE_SCHEMES)}), which authenticate nothing "
         "(the plan, signals and elastic control stay authenticated).")
     timeout: float = option(30.0, "--timeout", show_default=True,
-                            help="Seconds before a silent peer is declared lost.")
+                            help="Seconds before a peer that went silent is declared lost.")
+    startup_timeout: float = option(
+        120.0, "--startup-timeout", show_default=True,
+        help="Seconds every process of the job has to come at start-up (workers started by "
+        "hand on other machines included; each waiting process says whom it waits for every "
+        "few seconds); after that, --timeout bounds a peer's silence.")
     chunk_bytes: int = option(DEFAULT_CHUNK_BYTES, "--chunk-bytes", show_default=True,
                               help="Largest piece of a parameter one PS shard holds.")
     shard_threads: int = option(
@@ -168,6 +173,8 @@ class JobConfig:
                             f"and {self.fusion_ms:g}")
         if not self.timeout > 0:
             raise CommError(f"--timeout must be positive, got {self.timeout:g}")
+        if not self.startup_timeout > 0:
+            raise CommError(f"--startup-timeout must be positive, got {self.startup_timeout:g}")
         if self.chunk_bytes < 1:
             raise CommError(f"--chunk-bytes must be positive, got {self.chunk_bytes}")
         if self.shard_threads < 0:

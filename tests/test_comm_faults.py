@@ -153,7 +153,7 @@ def test_launcher_stops_all_when_a_worker_dies(digits_db, tmp_path):  # noqa: F8
         err = log.read_text()
         [line] = [ln for ln in err.splitlines() if ln.startswith("poseidon: error:")]
         assert line.startswith(f"poseidon: error: worker 1 (127.0.0.1:{base + 2}) was killed by "
-                               "signal 9; stopped the other 1 workers; last good snapshot: ")
+                               "signal 9; stopped the other 1 worker; last good snapshot: ")
         named = Path(line.rsplit("last good snapshot: ", 1)[1])
         assert named.parent == tmp_path and named.name.startswith("long_iter_") and named.is_file()
     finally:
@@ -165,11 +165,12 @@ def test_start_up_barrier_names_the_host_that_did_not_come(digits_db, tmp_path):
     solver = write_run(tmp_path, digits_db, 16, "x", iters=10)
     hosts, base = write_hosts(tmp_path, 2)
     done = subprocess.run([sys.executable, "-m", "poseidon_cli.main", "train", "--solver", str(solver),
-                           "--hosts", str(hosts), "--rank", "0", "--timeout", "1.5"], cwd=ROOT,
+                           "--hosts", str(hosts), "--rank", "0", "--timeout", "30",
+                           "--startup-timeout", "1.5"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, env=JOB_ENV)
     assert done.returncode != 0
-    assert (f"poseidon: error: worker 1 (127.0.0.1:{base + 2}) did not come within 1.5 s"
-            in done.stderr), done.stderr[-1500:]
+    assert (f"poseidon: error: worker 1 (127.0.0.1:{base + 2}) did not come within 1.5 s "
+            "(start-up barrier; --startup-timeout)" in done.stderr), done.stderr[-1500:]
 
 
 def test_hung_worker_stops_everybody_with_a_clear_error(cluster):

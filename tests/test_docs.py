@@ -33,3 +33,66 @@ def test_the_architecture_is_in_the_checkout() -> None:
                     "## The plan and the cost model", "## The wire", "## Launch",
                     "## Performance tools"):
         assert section in design
+
+
+def test_the_docs_site_builds_strictly(tmp_path) -> None:
+    """mkdocs.yml's site: every page in the nav, every link between pages and to a heading
+    resolves (``strict``: a warning fails the build)."""
+    pytest.importorskip("mkdocs", reason="the docs site needs mkdocs (the test extra has it)")
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d",
+                           str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (tmp_path / "site" / "engines" / "index.html").is_file()
+
+
+#: what a placeholder in a documented command stands for, to parse it as written
+PLACEHOLDERS = {"N": "2", "M": "4", "G": "256", "K": "5", "BW": "1gbit", "P": "2",
+                "COMMIT": "10", "ITER": "5"}
+SH_BLOCK = re.compile(r"```sh\n(.*?)```", re.S)
+
+
+def documented_commands() -> list[tuple[str, list[str]]]:
+    """(where, argv after `poseidon`) of every `poseidon` command in a shell block of the README
+    and the docs, continuation lines joined, comments and shell wrappers (sudo, srun, mpiexec
+    ..., a pipe) left out."""
+    import shlex
+    out = []
+    for doc in DOCS:
+        for block in SH_BLOCK.findall(doc.read_text(encoding="utf-8")):
+            for line in block.replace("\\\n", " ").splitlines():
+                for cut in (" #", " | ", " && ", " > ", " &"):
+                    line = line.split(cut, 1)[0]
+                line = line.strip()
+                if line.startswith("#") or "poseidon " not in line:
+                    continue
+                args = shlex.split(line[line.index("poseidon ") + len("poseidon "):])
+                # a synopsis: [--opt a|b] is the option with its first value
+                args = [a.strip("[]").split("|")[0] for a in args]
+                where = f"{doc.relative_to(ROOT)}: {line[:80]}"
+                out.append((where, [PLACEHOLDERS.get(a, a) for a in args]))
+    return out
+
+
+@pytest.mark.parametrize("where, args", documented_commands(), ids=lambda v: str(v)[:60])
+def test_every_documented_command_parses_as_written(where: str, args: list[str]) -> None:
+    """Each command of the README and the docs names a command, subcommand and options that
+    exist, with values of their types (its files need not exist here)."""
+    import click
+
+    from poseidon_cli.main import cli
+    group, ctx, rest = cli, None, list(args)
+    while isinstance(group, click.Group) and rest:
+        ctx = click.Context(group, info_name="poseidon", parent=ctx)
+        name, command, rest = group.resolve_command(ctx, rest)
+        assert command is not None, f"{where}: no command {name!r}"
+        if isinstance(command, click.Group):
+            group = command
+            continue
+        try:
+            command.make_context(name, list(rest), parent=ctx)
+        except click.UsageError as e:
+            raise AssertionError(f"{where}: {e.format_message()}") from None
+        return

@@ -100,7 +100,7 @@ def test_the_global_batch_takes_the_largest_membership_that_keeps_it():
                    "whole (it is for 1, 2, 4 workers)")
     assert usable(3, 2, 8, 32, 1) == (2, 2)  # of 3 available, 2 keep 32 with iter_size 2
     assert usable(5, 1, 8, None, 1) == (5, 1)
-    assert usable(1, 2, 8, None, 1) == "1 workers can train, fewer than --min-workers 2"
+    assert usable(1, 2, 8, None, 1) == "1 worker can train, fewer than --min-workers 2"
     assert usable(3, 3, 8, 32, 1) == why
     assert lr_scale("linear", 24, 32) == 0.75 and lr_scale("none", 24, 32) == 1.0
 

@@ -108,7 +108,7 @@ def pytorchjob_env() -> tuple[list[dict[str, str]], int]:
 MANAGERS: dict[str, tuple[Callable, str]] = {
     "srun": (srun_env, "Rendezvous (SLURM) at 127.0.0.1:{port}: 4 workers on 2 machines (2, 2 "
                        "workers)"),
-    "mpirun": (mpirun_env, "Rendezvous (Open MPI) at 127.0.0.1:{port}: 4 workers on 1 machines "
+    "mpirun": (mpirun_env, "Rendezvous (Open MPI) at 127.0.0.1:{port}: 4 workers on 1 machine "
                            "(4 workers)"),
     "torchrun": (torchrun_env, "Rendezvous (torchrun) at 127.0.0.1:{port}: 4 workers on 2 "
                                "machines (2, 2 workers)"),
@@ -162,7 +162,7 @@ def test_four_workers_started_by_a_manager_match_the_hosts_file_run(manager, ref
         stop(procs)
     assert banner.format(port=port) in logs[0].read_text()
     got = weights(tmp_path / f"m_iter_{ITERS}.caffemodel")
-    want = reference[(1, 4) if "on 1 machines" in banner else (2, 2)]
+    want = reference[(1, 4) if "on 1 machine " in banner else (2, 2)]
     assert got.keys() == want.keys()
     assert all(np.array_equal(got[k], want[k]) for k in want)  # bit for bit
 
@@ -172,7 +172,8 @@ def test_a_rank_that_never_comes_is_named_in_one_line(digits_db, tmp_path):  # n
     envs = envs[:2]  # rank 2 never starts
     solver = write_run(tmp_path, digits_db, BATCH, "x", iters=ITERS)
     logs = [tmp_path / f"p{i}.log" for i in range(2)]
-    procs = start_all(envs, ["--solver", str(solver), "--timeout", "2"], logs)
+    procs = start_all(envs, ["--solver", str(solver), "--timeout", "30", "--startup-timeout", "2"],
+                      logs)
     try:
         for p in procs:
             assert p.wait(timeout=30) == 1

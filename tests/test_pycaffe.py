@@ -135,7 +135,7 @@ def test_a_python_layers_blob_trains_exactly_with_two_workers(scale_module, digi
 
 def test_the_readmes_net_surgery_example_runs(tmp_path, monkeypatch):
     text = (ROOT / "README.md").read_text()
-    section = text.split("## For pycaffe users", 1)[1]
+    section = text.split("## pycaffe", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models").symlink_to(ROOT / "models")

@@ -85,7 +85,8 @@ def hello(ep: Endpoint, layers: Mapping[int, LayerSlot], chunk_bytes: int, fail:
     ep.broadcast(ep.peers, header(pb.HELLO, layout_digest=digest, world_size=world,
                                   engines=list(engines)))
     offered = {ep.me[1]: list(engines)}
-    for m in ep.wait_for([message_key(pb.HELLO, w) for w in workers(ep)], "start-up HELLO"):
+    for m in ep.wait_for([message_key(pb.HELLO, w) for w in workers(ep)], "start-up HELLO",
+                         startup=True):
         if m.header.world_size != world or m.header.layout_digest != digest:
             fail(f"{ep.name_of(m.sender)} runs a different configuration "
                  "(hosts file, net or --chunk-bytes differ)")

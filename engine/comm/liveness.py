@@ -3,7 +3,8 @@
 Every message a process receives (heartbeats included) marks its sender as heard; a BYE marks
 it gone (it will say nothing more, and that is no failure). The heartbeat thread sends each
 peer a heartbeat every ``interval`` and declares the first peer silent for ``timeout`` lost;
-a peer never heard from at all did not come to the start-up barrier. The transport
+a peer never heard from at all has the start-up window (``startup``: machines started by
+hand take their time) before it did not come to the start-up barrier. The transport
 (engine/comm/transport.py) sends the heartbeats and turns a loss into a fatal error.
 """
 from __future__ import annotations
@@ -19,9 +20,10 @@ class Liveness:
     """The peers of one process, when each was last heard, and which said BYE."""
 
     def __init__(self, peers: Iterable[PeerId], timeout: float,
-                 name_of: Callable[[PeerId], str]) -> None:
+                 name_of: Callable[[PeerId], str], startup: float | None = None) -> None:
         self.peers = list(peers)
         self.timeout = float(timeout)
+        self.startup = max(float(startup if startup is not None else timeout), self.timeout)
         self.name_of = name_of
         self._lock = threading.Lock()
         start = time.monotonic()
@@ -63,6 +65,13 @@ class Liveness:
             return [p for p in self.peers
                     if p not in self._gone and now - self._last_seen[p] > seconds]
 
+    def overdue(self) -> list[PeerId]:
+        """Peers silent beyond their bound: ``timeout`` once heard, ``startup`` before."""
+        now = time.monotonic()
+        with self._lock:
+            return [p for p in self.peers if p not in self._gone and now - self._last_seen[p]
+                    > (self.timeout if p in self._heard else self.startup)]
+
     def lost(self, peer: PeerId) -> str:
         """Why ``peer`` counts as lost, in one line."""
         with self._lock:
@@ -70,7 +79,8 @@ class Liveness:
         if heard:
             return (f"lost {self.name_of(peer)}: nothing heard for {self.timeout:g} s "
                     "(the process died or hangs)")
-        return f"{self.name_of(peer)} did not come within {self.timeout:g} s (start-up barrier)"
+        return (f"{self.name_of(peer)} did not come within {self.startup:g} s (start-up "
+                "barrier; --startup-timeout)")
 
     def run(self, stop: threading.Event, beat: Callable[[PeerId], None],
             on_lost: Callable[[str], None]) -> None:
@@ -79,7 +89,7 @@ class Liveness:
         while not stop.wait(self.interval):
             for p in self.present():
                 beat(p)
-            late = self.silent(self.timeout)
+            late = self.overdue()
             if late:
                 on_lost(self.lost(late[0]))
                 return

@@ -48,7 +48,7 @@ class ShardServer:
     def __init__(self, index: int, hosts: Sequence[HostEntry], *, key: bytes,
                  timeout: float = 30.0, stats: CommStats | None = None,
                  max_frame_bytes: int | None = None,
-                 threads: int = DEFAULT_THREADS) -> None:
+                 threads: int = DEFAULT_THREADS, startup: float | None = None) -> None:
         """``threads``: 0 sums on the receive thread (the reference), N >= 1 on N
         aggregation threads with the chunks pinned to them."""
         if threads < 0:
@@ -58,7 +58,7 @@ class ShardServer:
         self.world = len(hosts)
         self.workers = [(WORKER, r) for r in range(self.world)]
         self.ep = Endpoint((SHARD, index), hosts, self.workers, key=key, timeout=timeout,
-                           stats=stats, max_frame_bytes=max_frame_bytes)
+                           stats=stats, max_frame_bytes=max_frame_bytes, startup=startup)
         self._chunks: dict[tuple[int, int], Chunk] = {}
         #: the workers that push each group's chunks, in the order their pushes are summed
         self._groups: list[tuple[int, ...]] = [tuple(range(self.world))]
@@ -136,7 +136,8 @@ class ShardServer:
     def start(self) -> None:
         """The start-up barrier: the chunk table from rank 0, confirmed by every worker."""
         ep = self.ep
-        msgs = ep.wait_for([message_key(pb.LAYOUT, (WORKER, 0))], "the parameter layout")
+        msgs = ep.wait_for([message_key(pb.LAYOUT, (WORKER, 0))], "the parameter layout",
+                           startup=True)
         readies = ep.wait_for([message_key(pb.READY, w) for w in self.workers], "worker READY")
         layout = [Chunk.from_pb(c) for c in msgs[0].header.layout]
         if msgs[0].header.groups:

@@ -65,7 +65,7 @@ __all__ = ["LayerSlot", "ParamSlot", "Syncer", "open_worker", "frame_limit", "RE
 
 
 def open_worker(rank: int, hosts: Sequence[HostEntry], *, key: bytes, timeout: float = 30.0,
-                stats: CommStats | None = None,
+                stats: CommStats | None = None, startup: float | None = None,
                 snapshot_hint: Callable[[], str | None] | None = None,
                 max_frame_bytes: int | None = None, shards: bool = True) -> Endpoint:
     """Bind worker ``rank``'s socket and connect to every worker (and every shard unless
@@ -74,7 +74,7 @@ def open_worker(rank: int, hosts: Sequence[HostEntry], *, key: bytes, timeout: f
     peers = [(WORKER, r) for r in range(world)] + ([(SHARD, s) for s in range(world)]
                                                     if shards else [])
     return Endpoint((WORKER, rank), hosts, peers, key=key, timeout=timeout, stats=stats,
-                    snapshot_hint=snapshot_hint,
+                    startup=startup, snapshot_hint=snapshot_hint,
                     max_frame_bytes=max_frame_bytes)
 
 

@@ -51,6 +51,8 @@ __all__ = ["COPY_BELOW_BYTES", "HEADER_BYTES", "HEADER_BYTES_PER_CHUNK", "PROBE_
 
 log = logging.getLogger("poseidon.comm")
 
+#: a wait for peers says whom it waits for this often (seconds)
+SAY_EVERY = 3.0
 #: frames below this are copied into the message, larger ones sent zero-copy: pyzmq's zero-copy
 #: costs a fixed ~50 us per frame (its buffer tracking), a copy ~5 us per 64 KB. Sender and
 #: receiver CPU per message, measured here, copied against zero-copy: 64 KB 203 us against 254,
@@ -80,6 +82,7 @@ class Endpoint:
 
     def __init__(self, me: PeerId, hosts: Sequence[HostEntry], peers: Iterable[PeerId], *,
                  key: bytes | None, timeout: float = 30.0, stats: CommStats | None = None,
+                 startup: float | None = None,
                  snapshot_hint: Callable[[], str | None] | None = None,
                  max_frame_bytes: int | None = None, local_ipc: bool = True,
                  piece_bytes: int = PIECE_BYTES) -> None:
@@ -108,7 +111,9 @@ class Endpoint:
         #: the receiving side (engine/comm/wire.py), on the receive thread only
         self.parser = Parser(Verifier(key) if key is not None else None, self.peers,
                              max_frame_bytes, self.name_of, self._drop)
-        self.liveness = Liveness(self.peers, self.timeout, self.name_of)
+        self.liveness = Liveness(self.peers, self.timeout, self.name_of, startup)
+        #: how long the start-up barrier waits for a peer (machines started by hand)
+        self.startup = self.liveness.startup
         self.error: str | None = None
         #: True when the error came in an ABORT (some other process reports it first-hand)
         self.error_from_peer = False
@@ -307,12 +312,18 @@ class Endpoint:
             self._mailbox[key] = msg
             self._cond.notify_all()
 
-    def wait_for(self, keys: Sequence[Key], what: str, timeout: float | None = None) -> list[Message]:
-        """Take the messages with ``keys`` from the mailbox, waiting up to ``timeout`` seconds.
+    def wait_for(self, keys: Sequence[Key], what: str, timeout: float | None = None,
+                 startup: bool = False) -> list[Message]:
+        """Take the messages with ``keys`` from the mailbox, waiting up to ``timeout`` seconds
+        (the start-up window with ``startup``: the first meeting of machines started by hand).
+        Every ``SAY_EVERY`` seconds of waiting it says whom it waits for and how much longer.
 
         A timeout is fatal: the error names the peers whose messages did not come.
         """
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        start = time.monotonic()
+        deadline = start + (timeout if timeout is not None else
+                            self.startup if startup else self.timeout)
+        said = start
         with self._cond:
             while True:
                 if self.error is not None:
@@ -323,9 +334,15 @@ class Endpoint:
                         for k in keys:
                             self.clock.mark(k[3], "woken")
                     return [self._mailbox.pop(k) for k in keys]
-                left = deadline - time.monotonic()
+                now = time.monotonic()
+                left = deadline - now
                 if left <= 0:
                     break
+                if now - said >= SAY_EVERY:  # never a blind wait: who, and for how long
+                    said = now
+                    who = ", ".join(sorted({self.name_of((k[1], k[2])) for k in missing}))
+                    log.warning("%s: waiting %.0f s for %s from %s (at most %.0f s more)",
+                                self.name, now - start, what, who, left)
                 self._cond.wait(min(left, 0.5))
         self.timed_out(what, [(k[1], k[2]) for k in missing])
         raise CommError(self.error)

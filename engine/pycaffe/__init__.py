@@ -20,7 +20,7 @@ from engine.allocator import tune_allocator
 from engine.layer_types import layer_class, registered_types
 from engine.layers.python_layer import TEST, TRAIN, PyLayer as Layer
 
-from . import io, proto
+from . import io, proto  # noqa: F401  (proto: caffe.proto.caffe_pb2 after `import caffe`)
 from .classifier import Classifier
 from .detector import Detector
 from .net import Net

@@ -25,6 +25,7 @@ from engine.comm.auth import KEY_ENV, job_key, key_hex, new_key
 from engine.comm.errors import CommError
 from engine.comm.hosts import HostEntry, is_local, local_addresses, table_json
 
+from ..console import plural
 from ..job_config import JobConfig, require_key
 from .managers import NodePlacement, Placement, rank_from_env
 from .relay import ErrorRelay
@@ -116,9 +117,11 @@ def launch_all(config: JobConfig, entries: list[HostEntry], launch: str) -> None
     local = local_addresses()
     remote = [e for e in entries if not is_local(e, local)]
     if remote and launch != "ssh":
-        print(f"poseidon: {len(remote)} workers are not on this machine; start them with "
-              f"`poseidon train ... --rank N` there (or use --launch ssh): "
-              + ", ".join(f"rank {e.rank} at {e}" for e in remote), file=sys.stderr)
+        print(f"poseidon: {plural(len(remote), 'worker')} not on this machine: start each "
+              f"within {config.startup_timeout:g} s (--startup-timeout) with the same files "
+              "and key file there (or use --launch ssh):", file=sys.stderr)
+        for e in remote:
+            print(f"poseidon:   on {e.host}: {by_hand_command(e.rank)}", file=sys.stderr)
     key = job_key(config.key_file)
     if key is None:
         if remote and launch != "ssh":
@@ -144,6 +147,16 @@ def launch_all(config: JobConfig, entries: list[HostEntry], launch: str) -> None
                         "--rank N` on each host, or use --launch ssh")
     check_ports([e for e in entries if is_local(e, local)])
     start_and_supervise(children, config)
+
+
+def by_hand_command(rank: int) -> str:
+    """This very `poseidon train` command line, as worker ``rank`` runs it on its machine."""
+    args = list(sys.argv[1:])
+    for flag in ("--rank",):  # a rank given here is this process's
+        while flag in args:
+            i = args.index(flag)
+            del args[i:i + 2]
+    return " ".join(shlex.quote(a) for a in ["poseidon", *args, "--rank", str(rank)])
 
 
 def check_ports(entries: list[HostEntry]) -> None:
@@ -260,7 +273,8 @@ def supervise(procs: dict[str, subprocess.Popen], relay: ErrorRelay | None = Non
                 if reported is None:
                     how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
                     last = (relay.last_snapshot if relay is not None else None) or resumed_from
-                    reported = (f"{name} {how}; stopped the other {len(running)} workers; "
+                    reported = (f"{name} {how}; stopped the other "
+                                f"{plural(len(running), 'worker')}; "
                                 f"last good snapshot: {last or 'none'}")
                 stop_all(running)
                 raise CommError(reported)

@@ -32,6 +32,8 @@ class ShardSettings:
     #: summing threads (0: on its receive thread)
     threads: int
     timeline: str | None = None
+    #: the start-up window (--startup-timeout)
+    startup: float | None = None
 
     def line(self, key: bytes, entries: Sequence[HostEntry]) -> bytes:
         return (json.dumps({**asdict(self), "key": key_hex(key), "hosts": table_rows(entries)},
@@ -47,16 +49,22 @@ def read_settings(text: str) -> tuple[ShardSettings, bytes, list[HostEntry]]:
         raise CommError(f"{where}: not JSON ({e})") from None
     timeline = d.pop("timeline", "missing") if isinstance(d, dict) else None
     timeout = d.pop("timeout", "missing") if isinstance(d, dict) else None
+    startup = d.pop("startup", None) if isinstance(d, dict) else None
     check_fields(d, {"index": int, "max_frame_bytes": int, "threads": int, "key": str,
                      "hosts": list}, where)
-    if not (timeline is None or isinstance(timeline, str)) or not (
-            isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
-        raise CommError(f"{where}: 'timeline' or 'timeout' has the wrong type")
+
+    def seconds(v: object) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+    if not (timeline is None or isinstance(timeline, str)) or not seconds(timeout) or not (
+            startup is None or seconds(startup)):
+        raise CommError(f"{where}: 'timeline', 'timeout' or 'startup' has the wrong type")
     entries = table_from_rows(d["hosts"], where)
     if d["index"] >= len(entries):
         raise CommError(f"shard {d['index']}: the table lists {len(entries)} workers")
     return (ShardSettings(d["index"], float(timeout), d["max_frame_bytes"], d["threads"],
-                          timeline), parse_key(d["key"], where), entries)
+                          timeline, float(startup) if startup is not None else None),
+            parse_key(d["key"], where), entries)
 
 
 def shard_command() -> list[str]:
@@ -107,7 +115,8 @@ def run_shard(settings: ShardSettings, key: bytes, entries: list[HostEntry]) -> 
         from engine import timeline as tl
         tl.start(settings.timeline, f"shard {settings.index}", f"shard{settings.index}")
     srv = ShardServer(settings.index, entries, key=key, timeout=settings.timeout,
-                      max_frame_bytes=settings.max_frame_bytes, threads=settings.threads)
+                      max_frame_bytes=settings.max_frame_bytes, threads=settings.threads,
+                      startup=settings.startup)
     ForcedExit().attach(srv.ep)
     try:
         srv.start()

@@ -149,7 +149,8 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
 
     max_frame = frame_limit(slots, world, config.chunk_bytes)
     shard = shards.start(
-        ShardSettings(rank, config.timeout, max_frame, config.shard_threads, config.timeline),
+        ShardSettings(rank, config.timeout, max_frame, config.shard_threads, config.timeline,
+                      config.startup_timeout),
         key, entries)
     shard_errors: list[str] = []
     ep = None
@@ -163,6 +164,7 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
     relay.watch(shard)
     try:
         ep = open_worker(rank, entries, key=key, timeout=config.timeout, stats=stats,
+                         startup=config.startup_timeout,
                          max_frame_bytes=max_frame,
                          snapshot_hint=lambda: str(solver.last_snapshot or "none"))
         if exit_grace is not None:
@@ -218,7 +220,7 @@ def run_managed(config: JobConfig, placement: Placement) -> None:
         raise CommError(f"{placement.manager} runs {placement.local_size} workers on this "
                         f"machine, but --gpus {','.join(map(str, gpus))} pins one worker to "
                         f"each of {len(gpus)} GPUs")
-    entries = meet(placement, key, config.timeout)
+    entries = meet(placement, key, config.startup_timeout)
     if placement.rank == 0:
         from engine import glog
         from engine.comm.hosts import machines

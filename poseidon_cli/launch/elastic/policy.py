@@ -99,7 +99,8 @@ def usable(available: int, min_workers: int, batch: int, global_batch: int | Non
            solver_iter_size: int) -> tuple[int, int] | str:
     """(workers, iter_size) of the largest membership of at most ``available`` workers and at
     least ``min_workers`` that the batch rule allows; or why there is none."""
-    why = f"{available} workers can train, fewer than --min-workers {min_workers}"
+    why = (f"{available} worker{'' if available == 1 else 's'} can train, fewer than "
+           f"--min-workers {min_workers}")
     for p in range(available, min_workers - 1, -1):
         size = iter_size_for(p, batch, global_batch, solver_iter_size)
         if isinstance(size, int):
