@@ -177,3 +177,33 @@ def test_bench_clusters_curves_start_at_one_worker_and_pair_measured_with_predic
     assert (ps.label, list(ps.workers), list(ps.speedup), list(ps.predicted)) == (
         "ps", [1, 2, 4], [1.0, 1.8, 3.1], [1.0, 1.9, 3.3])
     assert (ring.label, list(ring.workers), list(ring.predicted)) == ("ring", [1, 2], [1.0, 1.75])
+
+
+def test_a_cpu_trace_is_flagged_and_the_table_states_its_assumptions_and_a_verdict(tmp_path):
+    """Layer times measured on a CPU predict a GPU cluster too well: said first; then what was
+    assumed, and one line naming the best scheme per size and where scaling stops."""
+    net = "models/digits_lenet/deploy.prototxt"  # an Input layer: no LMDB needed
+    timed = run("time", "--model", net, "--iterations", "2", "--json")
+    assert timed.returncode == 0, timed.stderr
+    assert json.loads(timed.stdout)["device"].startswith("CPU")
+    (tmp_path / "t.json").write_text(timed.stdout)
+    done = run("simulate", "--model", net, "--trace", str(tmp_path / "t.json"), "--workers",
+               "1,2,8", "--scheme", "ps,hybrid")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    [warning] = [l for l in lines if l.startswith("warning:")]
+    assert "measured on a CPU" in warning and "--gpu 0" in warning
+    assert sum(l.startswith("assumed:") for l in lines) == 2
+    assert lines[-1].startswith("verdict: best scheme by workers: 2: ")
+    # the columns add up: iteration = compute + exposed, one worker included
+    header = next(i for i, l in enumerate(lines) if l.strip().startswith("scheme"))
+    for row in lines[header + 1:header + 7]:
+        cells = row.split()
+        iteration, compute, exposed = (float(c) for c in cells[2:5])
+        assert iteration == pytest.approx(compute + exposed, abs=0.11), row
+
+
+def test_an_estimate_is_no_cpu_trace():
+    done = run("simulate", "--model", S4, "--estimate", "--workers", "1,2")
+    assert done.returncode == 0, done.stderr
+    assert "warning:" not in done.stdout and "estimated from each layer's FLOPs" in done.stdout

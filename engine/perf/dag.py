@@ -189,10 +189,10 @@ def predict(info: NetInfo, trace: Trace, workers: int, scheme: str, link: Link,
     fwd, bwd = _times(info, trace)
     compute = sum(fwd) + sum(bwd)
     batch = info.batch
-    if workers == 1:
+    if workers == 1:  # nothing to communicate: the updates are what is not compute
         update = sum(device.update_s(i.params * i.itemsize) for i in info.params)
         it = compute + update
-        return Prediction(scheme, 1, batch, it, compute, 0.0, batch / it if it else 0.0)
+        return Prediction(scheme, 1, batch, it, compute, update, batch / it if it else 0.0)
     # the plan is the planner's, who sees the link as its probe does (fair shares); the
     # layers are priced on the link as it is
     planned = replace(link, unfair=0.0)

@@ -107,9 +107,16 @@ def _image_shape(layer: Any, where: Path | None, input_shape: Sequence[int] | No
             return [c, crop, crop] if crop else [c, h, w]
     if tp.crop_size:
         return [len(tp.mean_value) or 3, tp.crop_size, tp.crop_size]
-    raise NetInfoError(f"layer '{layer.name}' ({layer.type}): its image shape is unknown "
-                       "(no crop_size and no database to read): give the input shape, "
-                       "e.g. --input-shape 3,224,224")
+    known = next((shape for name, shape in KNOWN_SHAPES if name in source.lower()), None)
+    example = (f"--input-shape {known} (its source names a set of that shape)" if known
+               else "e.g. --input-shape 3,224,224 (channels, height, width)")
+    raise NetInfoError(f"layer '{layer.name}' ({layer.type}): its image shape is unknown (no "
+                       f"crop_size, and its database {source or '(none)'} is not here to read "
+                       f"one from): give the input shape, {example}")
+
+
+#: the image shape of a public set a source's name names (--input-shape's hint)
+KNOWN_SHAPES = (("mnist", "1,28,28"), ("cifar", "3,32,32"), ("digits", "1,8,8"))
 
 
 def with_inputs(net: caffe_pb2.NetParameter, batch: int | None = None,

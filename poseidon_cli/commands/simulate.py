@@ -156,12 +156,57 @@ def simulate(model: str, trace_path: str | None, estimate: bool, batch: int | No
             click.echo(f"{NO_MATPLOTLIB}; {plot} was not written", err=True)
         return
     _print_table(predictions, title, trace.source)
+    for line in assumptions(trace, link, estimate, measured_comm, slots):
+        click.echo(line)
+    click.echo(verdict(predictions))
     if check:
         click.echo(f"measured iteration {check['iteration_s'] * 1e3:.2f} ms with "
                    f"{check['workers']} workers; the recurrence on the measured times "
                    f"{check['predicted_s'] * 1e3:.2f} ms ({check['error']:+.2%})")
     if plot:
         click.echo(f"wrote {plot}" if plotted else f"{NO_MATPLOTLIB}; {plot} was not written")
+
+
+def assumptions(trace: Any, link: Any, estimate: bool, measured_comm: bool,
+                slots: int) -> list[str]:
+    """What the numbers above rest on, measured or assumed, a line each; a warning first
+    where layer times measured on a CPU are to predict what a cluster of GPUs would do."""
+    device = trace.device or "a device the trace does not name"
+    on_cpu = not estimate and device.lower().startswith("cpu")
+    lines = []
+    if on_cpu:
+        lines.append(f"warning: these layer times were measured on a CPU ({device}): a GPU "
+                     "computes 10 to 100 times faster, so on GPUs communication weighs far more "
+                     "and the speedups above are too good; time the net on the GPU you will "
+                     "rent (`poseidon time --gpu 0 --synthetic --json`) or use --estimate (a "
+                     "Titan X from FLOPs)")
+    lines.append("assumed: layer times " + (
+        "estimated from each layer's FLOPs and bytes on a Titan X" if estimate else
+        f"measured on {device} ({trace.source})") + "; every worker as fast, one per GPU"
+        + (f", {slots} to a machine" if slots > 1 else ", one per machine"))
+    lines.append("assumed: " + ("the communication the trace measured" if measured_comm else
+                                f"a link of {link.bits_per_s / 1e9:g} Gbit/s each way and "
+                                f"{link.alpha_s * 1e6:g} us per message ({link.source})")
+                 + "; the solver update on the GPU at 300 GB/s, sums and SFB's rebuild on "
+                 "the host; iteration = compute + exposed (communication and updates not "
+                 "hidden behind backward)")
+    return lines
+
+
+def verdict(predictions: Sequence) -> str:
+    """One line: the best scheme at each worker count, and where adding workers stops
+    paying (efficiency below half)."""
+    best: dict[int, Any] = {}
+    for p in predictions:
+        if p.workers > 1 and (p.workers not in best or p.images_per_s > best[p.workers].images_per_s):
+            best[p.workers] = p
+    if not best:
+        return "verdict: one worker only: nothing to compare"
+    picks = ", ".join(f"{n}: {p.scheme} {p.speedup:.2f}x" for n, p in sorted(best.items()))
+    poor = [n for n, p in sorted(best.items()) if p.efficiency < 0.5]
+    stop = (f"below half efficiency from {poor[0]} workers: scaling stops paying there"
+            if poor else "every size keeps at least half its efficiency")
+    return f"verdict: best scheme by workers: {picks}; {stop}"
 
 
 def _against_measured(predictions: Sequence, trace: Any) -> dict[str, float] | None:
@@ -175,7 +220,7 @@ def _against_measured(predictions: Sequence, trace: Any) -> dict[str, float] | N
 
 
 def _print_table(predictions: Sequence, title: str, source: str) -> None:
-    cols = ("scheme", "workers", "iteration ms", "compute ms", "exposed comm ms", "images/s",
+    cols = ("scheme", "workers", "iteration ms", "compute ms", "exposed ms", "images/s",
             "speedup", "efficiency", "MB/node/iter")
     rows = [(p.scheme, str(p.workers), f"{p.iteration_s * 1e3:.1f}", f"{p.compute_s * 1e3:.1f}",
              f"{p.exposed_comm_s * 1e3:.1f}", f"{p.images_per_s:.1f}", f"{p.speedup:.2f}",
