@@ -160,15 +160,17 @@ def make_targets(tmp: Path) -> Iterator[dict[str, Target]]:
            **wire_targets()}
 
 
-class Frame:
-    """A received frame as the parser reads it (ZeroMQ's has the same two views)."""
+class Frame(bytes):
+    """A received frame as the parser reads it: ZeroMQ's has the same two views and the
+    buffer protocol (bytes gives this one the protocol)."""
 
-    def __init__(self, data: bytes) -> None:
-        self.bytes = data
+    @property
+    def bytes(self) -> bytes:
+        return bytes(self)
 
     @property
     def buffer(self) -> memoryview:
-        return memoryview(self.bytes)
+        return memoryview(self)
 
 
 def wire_targets() -> dict[str, Target]:

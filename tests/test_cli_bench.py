@@ -70,7 +70,7 @@ def test_the_link_fit_recovers_alpha_and_beta():
 def test_the_stage_breakdown_adds_up_to_the_round_trip():
     """Each stage starts where the one before it ended, across the two processes' marks, so
     the stages of one ping-pong add up to its round trip."""
-    from poseidon_cli.benches.comm import _legs
+    from poseidon_cli.benches.comm_stages import _legs
 
     client = [(1, "call", 0), (1, "serialised", 10_000), (1, "tagged", 30_000),
               (1, "received", 400_000), (1, "verified", 420_000), (1, "checked", 430_000),

@@ -52,7 +52,7 @@ def test_supervise_names_the_failing_process_and_stops_the_rest():
     bad = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"], start_new_session=True)
     try:
         with pytest.raises(CommError, match=r"worker 1 \(h:1\) exited with code 3; stopped the other 1 "
-                                            r"workers; last good snapshot: none"):
+                                            r"worker; last good snapshot: none"):
             supervise({"worker 0 (h:0)": ok, "worker 1 (h:1)": bad})
         assert ok.wait(timeout=10) != 0
     finally:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from poseidon_cli.launch.hostfile import free_base_port, parse_hosts_text
-from tests.test_comm_ring import SHAPES, exact_mean, run
+from tests.test_comm_ring import SHAPES, run
 
 K, M, N = 3, 6, 5
 FC = {9: (K, M, N)}

@@ -199,6 +199,20 @@ def test_kill_9_of_a_worker_leaves_three_that_go_on_from_the_commit(rank, jobs, 
     counts = json.loads(stats.read_text())["elastic"]
     assert (counts["generations"], counts["lost"], counts["joined"], counts["left"],
             counts["iterations_lost"], len(counts["recovery_s"])) == (2, 1, 0, 0, lost, 1)
+    log = job.text()
+    # the log a user reads: the solver printed once, the failure not an order to resume by
+    # hand, the back-off after the loss it follows, the key hint of a job without a key file,
+    # and a summary at the end
+    assert log.count("Initializing solver from parameters") == 1
+    assert "Generation 2: the solver and its nets built again for 3 workers" in log
+    assert "last good snapshot" not in log
+    if rank != 0:  # a surviving rank 0 says what happened; a killed one cannot
+        assert "nothing to do by hand" in log
+    backoff = f"Elastic: worker at 127.0.0.1:{job.port(rank)} may start again in 600 s"
+    assert log.index(backoff) > m.start()
+    assert "--key-file KEY" not in log and "the launcher made this job's key" in log
+    assert re.search(rf"Elastic: the job ends after 2 generations: 1 lost, 0 joined, 0 left, "
+                     rf"0 excluded; {lost} iterations done again, recoveries took [\d.]+ s", log)
     same_bits(resumed_reference(job, digits_db, 3, commit),
               tmp_path / f"el_iter_{job.iters}.caffemodel")
 

@@ -204,7 +204,7 @@ def test_a_dead_local_worker_stops_the_job_naming_machine_and_worker(digits_db, 
         launcher.wait(timeout=DEADLINE)
         wait_gone([launcher], pids[1:], DEADLINE)
         [line] = [ln for ln in log.read_text().splitlines() if ln.startswith("poseidon: error:")]
-        assert ", machine 0 local rank 1) was killed by signal 9; stopped the other 1 workers" \
+        assert ", machine 0 local rank 1) was killed by signal 9; stopped the other 1 worker" \
             in line and line.startswith("poseidon: error: worker 1 (127.0.0.1:"), line
     finally:
         kill_all(pids)

@@ -3,7 +3,6 @@ and a Python layer's parameters synchronised in a distributed run like any other
 from __future__ import annotations
 
 import re
-import textwrap
 from pathlib import Path
 
 import numpy as np

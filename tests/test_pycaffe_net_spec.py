@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 
-import numpy as np
 import pytest
 from google.protobuf import text_format
 

@@ -23,7 +23,8 @@ class Liveness:
                  name_of: Callable[[PeerId], str], startup: float | None = None) -> None:
         self.peers = list(peers)
         self.timeout = float(timeout)
-        self.startup = max(float(startup if startup is not None else timeout), self.timeout)
+        # the user's window as given, even below --timeout: a quick check that machines came
+        self.startup = float(startup if startup is not None else timeout)
         self.name_of = name_of
         self._lock = threading.Lock()
         start = time.monotonic()
@@ -71,6 +72,11 @@ class Liveness:
         with self._lock:
             return [p for p in self.peers if p not in self._gone and now - self._last_seen[p]
                     > (self.timeout if p in self._heard else self.startup)]
+
+    def never_heard(self, peers: Iterable[PeerId]) -> list[PeerId]:
+        """Those of ``peers`` from which nothing has come yet."""
+        with self._lock:
+            return [p for p in peers if p not in self._heard]
 
     def lost(self, peer: PeerId) -> str:
         """Why ``peer`` counts as lost, in one line."""

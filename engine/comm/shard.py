@@ -136,8 +136,9 @@ class ShardServer:
     def start(self) -> None:
         """The start-up barrier: the chunk table from rank 0, confirmed by every worker."""
         ep = self.ep
+        # worker 0 sends it after its own start-up barrier: that window, then the usual one
         msgs = ep.wait_for([message_key(pb.LAYOUT, (WORKER, 0))], "the parameter layout",
-                           startup=True)
+                           timeout=ep.startup + ep.timeout)
         readies = ep.wait_for([message_key(pb.READY, w) for w in self.workers], "worker READY")
         layout = [Chunk.from_pb(c) for c in msgs[0].header.layout]
         if msgs[0].header.groups:

@@ -321,8 +321,8 @@ class Endpoint:
         A timeout is fatal: the error names the peers whose messages did not come.
         """
         start = time.monotonic()
-        deadline = start + (timeout if timeout is not None else
-                            self.startup if startup else self.timeout)
+        window = timeout if timeout is not None else self.startup if startup else self.timeout
+        deadline = start + window
         said = start
         with self._cond:
             while True:
@@ -344,18 +344,25 @@ class Endpoint:
                     log.warning("%s: waiting %.0f s for %s from %s (at most %.0f s more)",
                                 self.name, now - start, what, who, left)
                 self._cond.wait(min(left, 0.5))
-        self.timed_out(what, [(k[1], k[2]) for k in missing])
+        self.timed_out(what, [(k[1], k[2]) for k in missing], window,
+                       barrier=startup and timeout is None)
         raise CommError(self.error)
 
-    def timed_out(self, what: str, peers: Sequence[PeerId]) -> None:
-        """Waiting for ``what`` from ``peers`` took longer than the timeout: fatal, naming the
-        real cause (a silent peer upstream, if any, rather than the one waited on)."""
+    def timed_out(self, what: str, peers: Sequence[PeerId], waited: float | None = None,
+                  barrier: bool = False) -> None:
+        """Waiting ``waited`` seconds (the timeout) for ``what`` from ``peers`` was too long:
+        fatal, naming the real cause (at the start-up ``barrier`` a peer never heard from;
+        else a silent peer upstream, if any, rather than the one waited on)."""
         silent = self.liveness.silent(3 * self.liveness.interval)
-        if silent:
+        absent = self.liveness.never_heard(peers) if barrier else []
+        if absent:
+            self.fatal(self.liveness.lost(absent[0]))
+        elif silent:
             self.fatal(self.liveness.lost(silent[0]))
         else:
             who = ", ".join(sorted({self.name_of(p) for p in peers})) or "this worker"
-            self.fatal(f"{self.name}: timed out after {self.timeout:g} s waiting for {what} "
+            waited = self.timeout if waited is None else waited
+            self.fatal(f"{self.name}: timed out after {waited:g} s waiting for {what} "
                        f"from {who}")
 
     def _heartbeat(self, peer: PeerId) -> None:

@@ -166,7 +166,9 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
         ep = open_worker(rank, entries, key=key, timeout=config.timeout, stats=stats,
                          startup=config.startup_timeout,
                          max_frame_bytes=max_frame,
-                         snapshot_hint=lambda: str(solver.last_snapshot or "none"))
+                         # an elastic generation's error is no reason to resume by hand
+                         snapshot_hint=None if wrap_sync is not None else
+                         lambda: str(solver.last_snapshot or "none"))
         if exit_grace is not None:
             ForcedExit(exit_grace).attach(ep)
         if shard_errors:

@@ -268,6 +268,10 @@ class Driver:
                 self.state.signal_members(action, self._forwarded)
 
     def _shutdown(self) -> None:
+        for line in self.events.deferred:  # what the job said no generation line after
+            self.say(f"Elastic: {line}")
+        self.events.deferred = []
+        self.say(self.events.summary())
         for w in self.state.workers.values():
             if w.state != WorkerState.GONE:
                 try:

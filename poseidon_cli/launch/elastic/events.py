@@ -23,6 +23,8 @@ class EventLog:
         "iterations_lost": 0})
     recoveries_s: list[float] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
+    #: notes that came while a change was pending: said after the line that names the change
+    deferred: list[str] = field(default_factory=list)
 
     def _change(self, kind: str, line: str, now: float) -> None:
         self.counts[kind] += 1
@@ -39,12 +41,21 @@ class EventLog:
     def came(self, who: str, now: float) -> None:
         self._change("joined", f"{who} came", now)
 
-    def note(self, line: str, excluded: bool = False) -> None:
-        """A line of its own (a worker backing off, or excluded)."""
+    def note(self, line: str, excluded: bool = False, after_change: bool = False) -> None:
+        """A line of its own (a worker backing off, or excluded); ``after_change``: it
+        follows a change the next generation's line will name, and is said after that."""
         if excluded:
             self.counts["excluded"] += 1
         self.events.append({"event": line})
+        if after_change:
+            self.deferred.append(line)
+            return
         self.say(f"Elastic: {line}")
+
+    def _flush(self) -> None:
+        for line in self.deferred:
+            self.say(f"Elastic: {line}")
+        self.deferred = []
 
     def generation(self, number: int, workers: int, start: int, reached: int, now: float,
                    batch: str, plan: str) -> None:
@@ -56,6 +67,7 @@ class EventLog:
             self.say(f"Elastic generation 1: {workers} workers from iteration {start}; {batch}; "
                      f"plan: {plan}")
             self.changes, self.since = [], None
+            self._flush()
             return
         seconds = now - (self.since if self.since is not None else now)
         self.counts["iterations_lost"] += lost
@@ -70,6 +82,17 @@ class EventLog:
                             "changes": self.changes})
         self.say(f"Elastic: {line}")
         self.changes, self.since = [], None
+        self._flush()
+
+    def summary(self) -> str:
+        """The job's membership in one line, for its end."""
+        c = self.counts
+        took = (", recoveries took " + ", ".join(f"{s:.1f}" for s in self.recoveries_s) + " s"
+                if self.recoveries_s else "")
+        return (f"Elastic: the job ends after {c['generations']} generation"
+                f"{'' if c['generations'] == 1 else 's'}: {c['lost']} lost, {c['joined']} "
+                f"joined, {c['left']} left, {c['excluded']} excluded; {c['iterations_lost']} "
+                f"iterations done again{took}")
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.counts, "recovery_s": [round(s, 3) for s in self.recoveries_s],

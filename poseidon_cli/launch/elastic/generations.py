@@ -248,27 +248,30 @@ class ElasticState:
         w.state = WorkerState.GONE
         self.hooks.kill(w)
         self.events.lost(w.name, reason, now)
-        self.charge(w.slot, now)
         g = self.gen
-        if g is not None and any(s.wid == w.wid for s in g.seats) \
-                and g.state != GenState.FAILED:
+        member = g is not None and any(s.wid == w.wid for s in g.seats)
+        self.charge(w.slot, now, after_change=member)
+        if member and g.state != GenState.FAILED:
             self.fail_generation(f"{w.name} {reason}", now)
 
-    def charge(self, slot: Slot, now: float) -> None:
-        """A failure of ``slot``'s worker: back it off, or exclude it after too many."""
+    def charge(self, slot: Slot, now: float, after_change: bool = False) -> None:
+        """A failure of ``slot``'s worker: back it off, or exclude it after too many (said
+        after the next generation's line when ``after_change``: that line names the loss)."""
         if self.done or self.stopping is not None:
             return
         failures, wait = self.admission.failed(slot.key, now)
         at = f"{slot.host}:{slot.port}"
         if wait is None:
             self.events.note(f"worker at {at} excluded: it failed {failures} times in a row "
-                             "before the job could commit with it", excluded=True)
+                             "before the job could commit with it", excluded=True,
+                             after_change=after_change)
         elif failures > 1:
             self.events.note(f"worker at {at} failed {failures} times in a row before the job "
                              f"could commit with it: it may join again in {wait:g} s (back-off, "
-                             "doubling)")
+                             "doubling)", after_change=after_change)
         elif slot.key in self.listed and self.hooks.launched_here(slot):
-            self.events.note(f"worker at {at} may start again in {wait:g} s (back-off)")
+            self.events.note(f"worker at {at} may start again in {wait:g} s (back-off)",
+                             after_change=after_change)
 
     def fail_generation(self, reason: str, now: float) -> None:
         g = self.gen

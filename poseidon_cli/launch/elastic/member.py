@@ -152,8 +152,14 @@ class Member:
         solver = self.solver = None  # the last generation's: its memory goes first
         gc.collect()
         try:
+            # the solver and its nets print themselves once: the first generation's
+            glog.set_enabled(rank == 0 and gen == 1)
             solver = self.solver = build_solver(config, RunContext(rank=rank,
                                                                    world_size=len(entries)))
+            glog.set_enabled(rank == 0)
+            if gen > 1:
+                glog.info(f"Generation {gen}: the solver and its nets built again for "
+                          f"{len(entries)} workers (as generation 1 printed them)")
             solver.param.iter_size = order["iter_size"]
             solver.param.base_lr *= order["lr_scale"]
             if first:
@@ -177,7 +183,9 @@ class Member:
                 solver.solve()
             ended = self.sync.ended if self.sync is not None else None
         except CommError as e:
-            glog.info(f"Generation {gen} failed here: {e}")
+            glog.set_enabled(rank == 0)
+            glog.info(f"Generation {gen} ended here: {e}. The elastic driver goes on from "
+                      "the newest commit every survivor holds: nothing to do by hand")
             return "failed", solver.iter if solver is not None else 0, str(e)
         finally:
             self.sync = None

@@ -154,9 +154,12 @@ def drive(config: JobConfig, opts: ElasticOptions, hosts: str | None, host_list:
                        (f"-n {nproc}" if nproc else "workers that join by hand"))
     driver = Driver(config, s, source, key, batch_facts(config.solver), opts.rendezvous_port,
                     launch)
-    glog.info(f"Elastic driver at {socket.gethostname()}:{driver.port} (a worker joins with "
-              f"`poseidon train --solver {config.solver} --elastic --rendezvous "
-              f"{socket.gethostname()}:{driver.port} --key-file KEY`): {s.min_workers} to "
+    at = f"{socket.gethostname()}:{driver.port}"
+    joins = (f"a worker joins with `poseidon train --solver {config.solver} --elastic "
+             f"--rendezvous {at} --key-file {config.key_file}`" if config.key_file else
+             "the launcher made this job's key for the workers it starts; to let others join "
+             "by hand, start the job with --key-file (`poseidon keygen job.key`)")
+    glog.info(f"Elastic driver at {at} ({joins}): {s.min_workers} to "
               f"{s.max_workers or 'any number of'} workers, a commit every {s.commit_every} "
               "iterations; each worker keeps its batch, so P workers train with P times the "
               "batch" + (f" (--global-batch {s.global_batch}: iter_size adapts)"
