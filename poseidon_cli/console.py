@@ -5,10 +5,12 @@ this module sits below both.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
-from typing import Iterator, NoReturn
+import threading
+from typing import Callable, Iterator, NoReturn
 
 import click
 
@@ -54,3 +56,29 @@ def fail(message: str, code: int = 1) -> NoReturn:
     """Print a one-line error and exit non-zero: the one way commands report bad input."""
     click.echo(f"poseidon: error: {message}", err=True)
     sys.exit(code)
+
+
+def run_process(main: Callable[[], object]) -> NoReturn:
+    """Run a process's entry point ``main`` and end the process as Python would, less the
+    interpreter's teardown of every module: other threads are joined, atexit's handlers run
+    and the streams are flushed, then the process exits with ``main``'s code (its return
+    value, or its SystemExit's). The teardown would free numba's and LLVM's compiled code one
+    object at a time: a quarter of a second of CPU for every worker, shard and warm-up
+    process of every job, and nothing is left for it to save."""
+    try:
+        code: object = main()
+    except SystemExit as e:
+        code = e.code
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)  # as sys.exit("message") would
+        code = 1
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader gone (`| head`), or closed
+            pass
+    os._exit(code or 0)

@@ -20,7 +20,7 @@ from engine.comm.codecs import WIRES
 from engine.comm.errors import CommError
 from engine.comm.planner import COMM_MODES, split_comm
 from engine.comm.schemes import ENGINE_SCHEMES, SCHEMES
-from engine.comm.schemes.ps import DEFAULT_CHUNK_BYTES
+from engine.comm.chunks import DEFAULT_CHUNK_BYTES
 from engine.comm.shard import DEFAULT_THREADS as DEFAULT_SHARD_THREADS
 
 SIGNAL_ACTIONS = ("stop", "snapshot", "none")

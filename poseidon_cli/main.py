@@ -75,8 +75,13 @@ def cli() -> None:
 
 
 # the one-line error of every command (re-exported: scripts and tests import it from here)
-from .console import fail, user_errors  # noqa: E402,F401
+from .console import fail, run_process, user_errors  # noqa: E402,F401
+
+
+def run() -> None:
+    """The `poseidon` command: the group, in a process that exits without the teardown."""
+    run_process(cli)
 
 
 if __name__ == "__main__":  # pragma: no cover
-    cli()
+    run()

@@ -19,6 +19,8 @@ from typing import Callable, Sequence
 
 import click
 
+from .console import run_process
+
 #: the modules with compiled kernels, each with ``warm(dtype)``; one job per module and dtype
 PARTS = ("engine.kernels.cpu", "engine.layers.winograd")
 #: the float types nets compute in; training's nets are float32
@@ -163,4 +165,4 @@ def echo(message: str) -> None:
 
 
 if __name__ == "__main__":  # one job of warm_kernels: PART DTYPE; says what it compiled
-    click.echo(" ".join(warm_part(sys.argv[2], [sys.argv[1]])))
+    run_process(lambda: click.echo(" ".join(warm_part(sys.argv[2], [sys.argv[1]]))))

@@ -38,11 +38,15 @@ def test_two_local_workers_equal_one_with_twice_the_batch(digits_db, tmp_path): 
 
 
 def test_two_jobs_at_once_do_not_collide(digits_db, tmp_path):  # noqa: F811
+    """Two jobs of one machine at once, each on free ports and shared-memory segments of its
+    own. The scheme is pinned: auto plans from a probed link, and two plans that differ sum in
+    different orders (both right, not bit-equal)."""
     procs = []
     for job in ("a", "b"):
         solver = write_run(tmp_path / job, digits_db, 8, job, iters=ITERS)
         procs.append(subprocess.Popen([sys.executable, "-m", "poseidon_cli.main", "train",
-                                       "--solver", str(solver), "--np", "2"], cwd=ROOT,
+                                       "--solver", str(solver), "--np", "2", "--comm", "shm"],
+                                      cwd=ROOT,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                       text=True))
     for p in procs:

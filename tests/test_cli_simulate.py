@@ -99,13 +99,11 @@ def test_plot(tmp_path):
     png = tmp_path / "speedup.png"
     done = run("simulate", "--model", S4, "--estimate", "--workers", "1,2,4", "--plot", str(png))
     if importlib.util.find_spec("matplotlib") is None:
-        # the table still comes, then one line on the plot (the checkout's extra, not PyPI's
+        # refused before any work, in one line naming the checkout's extra (not PyPI's
         # `poseidon`, which is another project)
-        assert done.returncode == 0 and not png.exists()
-        lines = done.stdout.strip().splitlines()
-        assert any(l.split()[:2] == ["hybrid", "4"] for l in lines)
-        assert lines[-1] == (f"--plot needs matplotlib: pip install -e '.[plot]' in the "
-                             f"checkout; {png} was not written")
+        from poseidon_cli.options import NO_MATPLOTLIB
+        assert done.returncode == 1 and not png.exists() and done.stdout == ""
+        assert done.stderr.strip() == f"poseidon: error: {NO_MATPLOTLIB}"
     else:
         assert done.returncode == 0, done.stderr
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

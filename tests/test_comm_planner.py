@@ -15,7 +15,7 @@ from engine.comm.cost import (
 from engine.comm.fusion import buckets
 from engine.comm.link import Link
 from engine.comm.planner import PlanOptions, make_plan, plan_layers, plan_table
-from engine.comm.schemes.ps import PSParam, make_layout
+from engine.comm.chunks import PSParam, make_layout
 
 
 def fc(name, m, n, k, bias=False):

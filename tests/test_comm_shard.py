@@ -18,7 +18,7 @@ import pytest
 
 from engine.comm.aggregate import ChunkSum, pin, sum_in_rank_order
 from engine.comm.errors import CommError
-from engine.comm.schemes.ps import PSParam, make_layout
+from engine.comm.chunks import PSParam, make_layout
 from engine.comm.shard import DEFAULT_THREADS, ShardServer
 from engine.comm.transport import Message, header, message_key
 from engine.pb import poseidon_pb2 as pb

@@ -21,7 +21,7 @@ import numpy as np
 from engine import timeline
 from engine.pb import poseidon_pb2 as pb
 
-from .schemes.ps import Chunk
+from .chunks import Chunk
 from .transport import Message
 
 #: on_sum(chunk, round, the sum as it goes on the wire, the ORed request bits)

@@ -32,7 +32,7 @@ from .link import Link
 from .planner import DEFAULT_LINK, Plan
 from .probe import probe_link
 from .schemes import SCHEMES
-from .schemes.ps import layout_digest
+from .chunks import layout_digest
 from .topology import Topology
 from .transport import SHARD, WORKER, Endpoint, header, message_key
 from .units import LayerSlot, Unit

@@ -27,7 +27,8 @@ from engine.pb import poseidon_pb2 as pb
 
 from .cost import Device, LayerTiming
 from .schemes import Scheme
-from .schemes.base import DenseScheme, arrays_are
+from .schemes.base import DenseScheme
+from .wire import arrays_are
 from .transport import WORKER, Message, PeerId
 from .units import Unit, split
 

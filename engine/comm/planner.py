@@ -39,7 +39,7 @@ from .engines import EngineCost
 from .fusion import buckets
 from .link import Link
 from .schemes import SCHEMES
-from .schemes.ps import DEFAULT_CHUNK_BYTES
+from .chunks import DEFAULT_CHUNK_BYTES
 
 #: what --comm takes: the planner's two modes, then every registered scheme
 COMM_MODES = ("auto", "hybrid", *SCHEMES)

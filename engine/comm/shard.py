@@ -27,12 +27,12 @@ from engine import timeline
 from engine.pb import poseidon_pb2 as pb
 
 from .aggregate import AggregationPool, sum_in_rank_order
+from .chunks import PUSH, SUM, Chunk, layout_digest
 from .errors import CommError
 from .hosts import HostEntry
-from .schemes.base import arrays_are
-from .schemes.ps import PUSH, SUM, Chunk, layout_digest
 from .stats import CommStats
 from .transport import SHARD, WORKER, Endpoint, Message, header, message_key
+from .wire import arrays_are
 
 log = logging.getLogger("poseidon.comm")
 

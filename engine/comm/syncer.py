@@ -36,7 +36,7 @@ from .levels import compose
 from .link import Link
 from .planner import Plan
 from .schemes import SCHEMES, Scheme
-from .schemes.ps import DEFAULT_CHUNK_BYTES
+from .chunks import DEFAULT_CHUNK_BYTES
 from .stats import CommStats, now
 from .topology import Topology
 from .transport import (
@@ -332,7 +332,8 @@ class Syncer:
         if self.engines is not None:
             self.engines.close(clean=self.ep.error is None)
         self.stats.extra.update(self.codec.report())
-        self.ep.close(say_bye=self.ep.error is None)
+        self.ep.close(say_bye=self.ep.error is None,
+                      answered=self.stats.extra.get("replicas_identical", False))
 
     def check_replicas(self) -> None:
         """Every worker's parameters must be bit-identical (BSP); a difference is fatal."""

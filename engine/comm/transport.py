@@ -53,6 +53,8 @@ log = logging.getLogger("poseidon.comm")
 
 #: a wait for peers says whom it waits for this often (seconds)
 SAY_EVERY = 3.0
+#: a closing process waits this long (seconds) for its last messages to leave
+LINGER_S = 2.0
 #: frames below this are copied into the message, larger ones sent zero-copy: pyzmq's zero-copy
 #: costs a fixed ~50 us per frame (its buffer tracking), a copy ~5 us per 64 KB. Sender and
 #: receiver CPU per message, measured here, copied against zero-copy: 64 KB 203 us against 254,
@@ -392,7 +394,12 @@ class Endpoint:
     def all_gone(self, role: str) -> bool:
         return self.liveness.all_gone(role)
 
-    def close(self, say_bye: bool = True) -> None:
+    def close(self, say_bye: bool = True, answered: bool = False) -> None:
+        """Say BYE (with ``say_bye``) and release the sockets, waiting at most ``LINGER_S`` for
+        the messages still on their way. ``answered``: every worker is ending too (the replica
+        check passed); each waits for the others' BYEs before it closes, so no worker closes
+        while a message to it is on its way: else a BYE to a worker that closed first would
+        hold this process for the whole linger. (A shard stays until every worker's BYE is in.)"""
         if self.dropped:
             log.warning("%s: dropped %d bad messages in all, %d of them failed authentication",
                         self.name, self.dropped, self.unauthenticated)
@@ -400,14 +407,21 @@ class Endpoint:
                                 unauthenticated_messages=self.unauthenticated,
                                 incomplete_messages=self.incomplete)
         if say_bye and self.error is None:
-            self.broadcast(self.liveness.present(), header(pb.BYE))
+            # answered: every worker waits for this BYE, also one whose own came first
+            self.broadcast([p for p in self.peers if answered and p[0] == WORKER
+                            or p in self.liveness.present()], header(pb.BYE))
+            if answered:
+                deadline = time.monotonic() + LINGER_S
+                with self._cond:
+                    while not self.liveness.all_gone(WORKER) and time.monotonic() < deadline:
+                        self._cond.wait(0.05)
         self._stop.set()
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=2)
         with self._send_lock:
             for s in self._push.values():
-                s.close(linger=2000 if say_bye else 0)
+                s.close(linger=int(LINGER_S * 1000) if say_bye else 0)
             self._push.clear()
         self._pull.close(linger=0)
         self._ctx.term()

@@ -236,3 +236,9 @@ class Parser:
             if reason is not None:
                 return None, f"from {self.name_of(msg.sender)}: {reason}"
         return msg, ""
+
+
+def arrays_are(msg: "Message", want: list[tuple[tuple[int, ...], str]]) -> str | None:
+    """None when ``msg``'s arrays have exactly these (shape, dtype) pairs, else why not."""
+    got = [(a.shape, a.dtype.str) for a in msg.arrays]
+    return None if got == want else f"unit {msg.header.layer}: arrays {got}, expected {want}"

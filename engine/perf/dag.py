@@ -45,7 +45,7 @@ from engine.comm.link import Link
 from engine.comm.planner import COMM_MODES, DEFAULT_LOCAL_LINK, plan_layers
 from engine.comm.schemes import NETWORK_SCHEMES
 from engine.comm.schemes import SCHEMES as SCHEME_CLASSES
-from engine.comm.schemes.ps import DEFAULT_CHUNK_BYTES, PSParam, make_layout
+from engine.comm.chunks import DEFAULT_CHUNK_BYTES, PSParam, make_layout
 
 from .netinfo import NetInfo
 from .trace import Trace

@@ -4,7 +4,7 @@ from __future__ import annotations
 import datetime
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -63,9 +63,11 @@ def time_passes(net: Net, iterations: int) -> float:
     return (time.perf_counter() - start) * 1000.0 / iterations
 
 
-def time_net(net: Net, iterations: int = 50) -> TimingReport:
+def time_net(net: Net, iterations: int = 50,
+             each: Callable[[int, float], None] | None = None) -> TimingReport:
     """Time ``iterations`` forward+backward passes layer by layer, after one warm-up pass,
-    as `caffe time` does (per-layer times are per iteration, averaged)."""
+    as `caffe time` does (per-layer times are per iteration, averaged); ``each(i, ms)`` hears
+    every pass as it ends (`caffe time`'s "Iteration: i forward-backward time" line)."""
     if iterations < 1:
         raise ValueError(f"iterations must be positive, got {iterations}")
     net.forward_prefilled()
@@ -74,7 +76,8 @@ def time_net(net: Net, iterations: int = 50) -> TimingReport:
     fwd = [0.0] * n
     bwd = [0.0] * n
     clock = time.perf_counter
-    for _ in range(iterations):
+    for it in range(iterations):
+        began = clock()
         for i in range(n):
             start = clock()
             net.forward_layer(i)
@@ -86,6 +89,8 @@ def time_net(net: Net, iterations: int = 50) -> TimingReport:
             net.backward_layer(i)
             _sync()
             bwd[i] += clock() - start
+        if each is not None:
+            each(it + 1, (clock() - began) * 1000.0)
     scale = 1000.0 / iterations
     layers = [LayerTime(name, layer.type, f * scale, b * scale)
               for name, layer, f, b in zip(net.layer_names, net.layers, fwd, bwd)]

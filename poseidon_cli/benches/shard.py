@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from engine.comm.hosts import HostEntry
-from engine.comm.schemes.ps import (
+from engine.comm.chunks import (
     DEFAULT_CHUNK_BYTES,
     PUSH,
     SUM,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 
 import click
@@ -52,7 +53,13 @@ def time_cmd(model: str, iterations: int, phase: str, gpu: int | None, synthetic
             net = Net(param, phase="TRAIN")
         else:
             net = Net(model, phase=phase)
-        report = time_net(net, iterations)
+        # `caffe time`'s log lines, so a long run (or one piped into a file) is never silent
+        log = logging.getLogger("poseidon.time")
+        log.info("*** Benchmark begins *** (%s, %d iterations after one warm-up pass)",
+                 net.name, iterations)
+        report = time_net(net, iterations, each=lambda i, ms: log.info(
+            "Iteration: %d forward-backward time: %.3f ms.", i, ms))
+        log.info("*** Benchmark ends ***")
     if as_json:
         click.echo(json.dumps(report.as_dict(), indent=1))
         return

@@ -21,6 +21,7 @@ from engine.comm.auth import key_hex, parse_key
 from engine.comm.errors import CommError
 from engine.comm.hosts import HostEntry, check_fields, table_from_rows, table_rows
 
+from ..console import run_process
 from .exits import ForcedExit
 
 @dataclass(frozen=True)
@@ -150,4 +151,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_process(main)

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 from engine.comm.errors import CommError
 from engine.comm.hosts import HostEntry, is_local, local_addresses, table_from_json
 
-from ..console import plural, user_errors
+from ..console import plural, run_process, user_errors
 from ..training import train_process
 from ..job_config import JobConfig, require_key
 from .managers import Placement, detect
@@ -346,5 +346,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
-    sys.exit(0)
+    run_process(main)

@@ -224,9 +224,3 @@ class DenseScheme(Scheme):
         Sends are zero-copy: a scheme must not change an array it sent until the peer has it.
         When ``on_done`` runs, every send of ``vec`` must have been received (the sum needed
         it), so the caller may overwrite ``vec``; ``total`` may still be in flight."""
-
-
-def arrays_are(msg: "Message", want: list[tuple[tuple[int, ...], str]]) -> str | None:
-    """None when ``msg``'s arrays have exactly these (shape, dtype) pairs, else why not."""
-    got = [(a.shape, a.dtype.str) for a in msg.arrays]
-    return None if got == want else f"unit {msg.header.layer}: arrays {got}, expected {want}"

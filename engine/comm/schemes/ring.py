@@ -31,7 +31,8 @@ import numpy as np
 from ..cost import Device, LayerTiming
 from ..transport import WORKER, Message, PeerId
 from ..units import Unit, split
-from .base import DenseScheme, arrays_are
+from ..wire import arrays_are
+from .base import DenseScheme
 
 
 class _Op:

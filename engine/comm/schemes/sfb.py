@@ -18,7 +18,8 @@ from engine import backend, timeline
 from ..cost import Device, LayerTiming
 from ..transport import WORKER, Message, PeerId
 from ..units import LayerSlot, Unit
-from .base import Scheme, arrays_are
+from ..wire import arrays_are
+from .base import Scheme
 
 FACTORS, UP, PEER, DOWN = 0, 1, 2, 3
 

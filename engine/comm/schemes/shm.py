@@ -47,7 +47,8 @@ from ..cost import Device, LayerTiming
 from ..errors import CommError
 from ..transport import WORKER, Message, PeerId
 from ..units import Unit, split
-from .base import DenseScheme, arrays_are
+from ..wire import arrays_are
+from .base import DenseScheme
 
 #: where the segment lives (a tmpfs on Linux); without it shm is not offered
 SHM_DIR = "/dev/shm"

@@ -26,7 +26,7 @@ from typing import Any
 
 from engine.comm.errors import CommError
 
-from ...console import user_errors
+from ...console import run_process, user_errors
 from ...signals import signal_requests
 from ...job_config import JobConfig, require_key
 from ..shard import ShardStarter
@@ -279,5 +279,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    sys.exit(0)
+    run_process(main)
