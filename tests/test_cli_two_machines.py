@@ -1,7 +1,8 @@
 """Two machines started by hand, rehearsed on one (two terminals, as the README's quick start
 says): rank 0 first, rank 1 a while later. Neither is ever silent while it waits for the
 other: each says every few seconds whom it waits for and how much longer (the start-up window,
---startup-timeout, apart from --timeout); then they train together."""
+--startup-timeout, apart from --timeout), and waiting costs them next to no CPU; then they
+train together."""
 from __future__ import annotations
 
 import subprocess
@@ -13,6 +14,34 @@ from tests.test_comm_train import ROOT, digits_db, write_hosts, write_run  # noq
 
 #: the most a waiting process may stay silent (it speaks every SAY_EVERY = 3 s)
 SILENT_S = 5.0
+#: the CPU a worker and its shard may use, together, waiting for a peer that never speaks
+IDLE_BOUND = 0.05
+IDLE_WINDOW_S = 4.0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of ``pid`` and its children alive now (Linux's /proc)."""
+    import os
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(entry) == pid or int(fields[1]) == pid:  # fields[1]: the parent's pid
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def cpu_share(pid: int, window: float) -> float:
+    """The share of one core ``pid`` and its children used over ``window`` seconds."""
+    before, start = cpu_seconds(pid), time.monotonic()
+    time.sleep(window)
+    return (cpu_seconds(pid) - before) / (time.monotonic() - start)
 
 
 class Terminal:
@@ -68,6 +97,7 @@ def test_two_machines_by_hand_say_whom_they_wait_for(digits_db, tmp_path):  # no
             assert time.monotonic() < deadline and rank0.proc.poll() is None, \
                 "\n".join(l for _, l in rank0.lines[-20:])
             time.sleep(0.1)
+        idle = cpu_share(rank0.proc.pid, IDLE_WINDOW_S)
         rank1 = Terminal([*args, "--rank", "1"])
         assert rank0.finish() == 0, "\n".join(l for _, l in rank0.lines[-20:])
         assert rank1.finish() == 0, "\n".join(l for _, l in rank1.lines[-20:])
@@ -80,3 +110,6 @@ def test_two_machines_by_hand_say_whom_they_wait_for(digits_db, tmp_path):  # no
     assert f"for start-up HELLO from worker 1 (127.0.0.1:{base + 2}" in waits[0], waits[0]
     assert "(at most" in waits[0] and "s more)" in waits[0]
     assert rank0.longest_silence("waiting", "Communication plan") <= SILENT_S
+    # waiting costs nothing: no thread polls while nothing is due (a wide bound: the figure
+    # on a quiet machine is well under 1% of a core, docs/benchmarks.md)
+    assert idle < IDLE_BOUND, f"rank 0 and its shard used {idle:.1%} of a core while waiting"

@@ -175,6 +175,7 @@ class ShardServer:
             with self._lock:
                 late = [(k, set(got)) for k, (t0, got) in self._pending.items()
                         if now - t0 > ep.timeout]
+                oldest = min((t0 for t0, _ in self._pending.values()), default=now)
             if late:
                 (param, chunk, rnd), got = late[0]
                 group = self._groups[self._chunks[(param, chunk)].group]
@@ -182,7 +183,9 @@ class ShardServer:
                              [(WORKER, r) for r in group if r not in got])
                 ep.disarm()
                 raise CommError(ep.error)
-            time.sleep(0.1)
+            # the next thing due: the oldest incomplete chunk's time-out; BYEs and errors wake
+            # it sooner (an idle shard wakes for nothing)
+            ep.wait_change(lambda: ep.all_gone(WORKER), oldest + ep.timeout - now + 0.01)
 
     def close(self) -> None:
         if self._pool is not None:

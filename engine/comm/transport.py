@@ -129,7 +129,10 @@ class Endpoint:
         port = entry.port if me[0] == WORKER else entry.shard_port
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.setsockopt(zmq.RCVTIMEO, 100)  # the receive thread looks at _stop this often
+        # the receive thread blocks until a message comes: close() wakes it through this
+        # in-process address (nothing outside the process can reach an inproc endpoint)
+        self._wake = f"inproc://wake-{id(self):x}"
+        self._pull.bind(self._wake)
         if max_frame_bytes is not None:
             self._pull.setsockopt(zmq.MAXMSGSIZE, int(max_frame_bytes))
         try:
@@ -247,14 +250,14 @@ class Endpoint:
     # --------------------------------------------------------------------------- receiving
     def _recv_loop(self) -> None:
         while not self._stop.is_set():
-            try:  # a receive timeout, not a poll first: one wake-up per message, not two
+            try:  # blocking, no poll first: one wake-up per message, none while idle
                 frames = self._pull.recv_multipart(copy=False)
-            except zmq.Again:
-                continue
             except zmq.ZMQError as e:
                 if self._stop.is_set():
                     return
                 self.fatal(f"{self.name}: the receive thread failed: {e}")
+                return
+            if self._stop.is_set():  # close()'s wake-up
                 return
             clock = self.clock
             if clock is not None:
@@ -345,7 +348,8 @@ class Endpoint:
                     who = ", ".join(sorted({self.name_of((k[1], k[2])) for k in missing}))
                     log.warning("%s: waiting %.0f s for %s from %s (at most %.0f s more)",
                                 self.name, now - start, what, who, left)
-                self._cond.wait(min(left, 0.5))
+                # woken by a message, a BYE or an error; else only when the next word is due
+                self._cond.wait(min(left, said + SAY_EVERY - now))
         self.timed_out(what, [(k[1], k[2]) for k in missing], window,
                        barrier=startup and timeout is None)
         raise CommError(self.error)
@@ -394,6 +398,14 @@ class Endpoint:
     def all_gone(self, role: str) -> bool:
         return self.liveness.all_gone(role)
 
+    def wait_change(self, done: Callable[[], bool], seconds: float) -> None:
+        """Sleep until ``done()``, an error, or ``seconds``: a BYE, a mailbox message and an
+        error wake it, so a waiting process polls nothing. ``done`` is checked under the lock
+        that those notify under: no wake-up is lost between the check and the sleep."""
+        with self._cond:
+            if self.error is None and not done():
+                self._cond.wait(max(seconds, 0.0))
+
     def close(self, say_bye: bool = True, answered: bool = False) -> None:
         """Say BYE (with ``say_bye``) and release the sockets, waiting at most ``LINGER_S`` for
         the messages still on their way. ``answered``: every worker is ending too (the replica
@@ -414,8 +426,13 @@ class Endpoint:
                 deadline = time.monotonic() + LINGER_S
                 with self._cond:
                     while not self.liveness.all_gone(WORKER) and time.monotonic() < deadline:
-                        self._cond.wait(0.05)
+                        self._cond.wait(deadline - time.monotonic())  # a BYE wakes it
         self._stop.set()
+        if any(t.is_alive() and t is not threading.current_thread() for t in self._threads):
+            wake = self._ctx.socket(zmq.PUSH)
+            wake.connect(self._wake)
+            wake.send(b"", zmq.NOBLOCK)  # the receive thread sees _stop and returns
+            wake.close(linger=1000)
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=2)
