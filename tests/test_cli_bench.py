@@ -137,6 +137,10 @@ def test_bench_cluster_real_compute_on_a_small_net(digits_db, tmp_path):  # noqa
     assert two["iteration_s"] > 0 and two["predicted_s"] > 0 and two["bytes_per_node"] > 0
     assert 0 <= two["cpu_utilisation"] <= 1
     assert "compute: real" in done.stderr
+    # where rank 0's CPU went, per iteration, in the report and on the row's next line
+    split = two["cpu_s_per_iter"]
+    assert split["training"] > 0 and split["communication"] > 0 and split["shard"] > 0, split
+    assert "rank 0 CPU per iteration: training " in done.stdout
 
 
 def test_bench_time_without_torch_times_the_engine_alone(monkeypatch, tmp_path):

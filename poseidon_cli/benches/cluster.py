@@ -70,6 +70,9 @@ class Measurement:
     #: bytes crossing each emulated host's link per iteration (its veth's counters, both
     #: directions, headers included), the mean over hosts
     wire_bytes_per_host: float | None = None
+    #: rank 0's CPU seconds per iteration by kind of thread, and its shard's (--stats'
+    #: cpu_s_per_iter; real seconds: the time scale stretches waits, not CPU)
+    cpu_s_per_iter: dict[str, Any] | None = None
 
     @property
     def error(self) -> float:
@@ -308,7 +311,8 @@ def run_bench(solver: Path, workers: list[int], schemes: list[str], bits_per_s: 
             m = Measurement(p, scheme, compute, period / scale, pred.iteration_s / scale,
                             p * info.batch / (period / scale), net_bytes,
                             float(stats.get("hidden_fraction", 0.0)), cpu,
-                            bool(cpu > CPU_SATURATED), wire_bytes_per_host=per_host)
+                            bool(cpu > CPU_SATURATED), wire_bytes_per_host=per_host,
+                            cpu_s_per_iter=stats.get("cpu_s_per_iter"))
             if p == 1:
                 base = m
             assert base is not None

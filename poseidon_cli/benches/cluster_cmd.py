@@ -78,6 +78,11 @@ def cluster(solver: str, workers: str, schemes: str, bandwidth: str, compute: st
                        f"{m.speedup:>7.2f} {m.predicted_speedup:>6.2f} "
                        f"{m.bytes_per_node / 1e6:>9.2f} {wire:>8} {m.hidden_fraction:>6.0%} "
                        f"{cpu:>5}{note}")
+            split = m.cpu_s_per_iter
+            if split:  # where rank 0's CPU went, apart from the compute it serves
+                click.echo("    rank 0 CPU per iteration: " + ", ".join(
+                    f"{k} {split[k] * 1e3:.1f} ms" for k in
+                    ("training", "communication", "other", "shard") if k in split))
             sys.stdout.flush()
 
         try:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 # started over ssh does not inherit the launcher's environment)
 from engine.comm.errors import CommError
 from engine.comm.hosts import HostEntry, is_local, local_addresses, table_from_json
+from engine.perf.cpu import CpuMeter
 
 from ..console import plural, run_process, user_errors
 from ..training import train_process
@@ -176,8 +177,13 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
         if on_endpoint is not None:
             on_endpoint(ep)
         display = solver.param.display
+        # rank 0's --stats: the CPU per iteration by kind of thread, and its shard's, from the
+        # end of the first round (start-up and the first iteration's allocations left out)
+        meter = CpuMeter(child=shard.pid) if config.stats is not None and rank == 0 else None
 
         def report(rnd: int) -> None:
+            if meter is not None and rnd == 0:
+                meter.begin()
             if rank == 0 and display and (rnd + 1) % display == 0:
                 lines = stats.format_lines()
                 for line in lines if config.verbose else lines[:1]:
@@ -197,6 +203,8 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
             ep.fatal(f"{ep.name}: {e}")
             ep.disarm()
             raise
+        if meter is not None:  # read while the communicator's threads and the shard live
+            stats.extra["cpu_s_per_iter"] = meter.end(int(stats.summary()["iterations"]) - 1)
         solver.close()  # the last updates, the replica check, BYE; then the shard ends
         shard.wait(timeout=config.timeout)
         if shard.returncode:

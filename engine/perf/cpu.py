@@ -1,0 +1,97 @@
+"""Where a worker's CPU goes: seconds per thread and per process, read from Linux's /proc.
+
+A worker's threads have names (training: the thread that trains; ``poseidon-*``: the
+communicator's receive, send, progress, heartbeat and engine threads; ZeroMQ's ``ZMQbg/*`` I/O
+threads), and everything else (BLAS and Numba pools, threads that ended) is the rest of the
+process. ``CpuMeter`` takes those apart over a stretch of iterations, and its shard's CPU beside
+them, so a run can say what the communicator costs apart from the compute it serves
+(``--stats``; ``poseidon bench cluster``). Empty where there is no /proc.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+#: thread-name prefixes of the communication (Poseidon's threads, ZeroMQ's I/O threads)
+COMM_PREFIXES = ("poseidon-", "ZMQbg")
+
+
+def _stat_cpu(path: str) -> tuple[str, float] | None:
+    """(kernel name, user + system seconds) of a /proc stat file; None when it is gone."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return None
+    name = text[text.index("(") + 1:text.rindex(")")]
+    fields = text.rsplit(")", 1)[1].split()
+    return name, (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def process_cpu(pid: int | str = "self") -> float | None:
+    """CPU seconds of a whole process (its ended threads included)."""
+    got = _stat_cpu(f"/proc/{pid}/stat")
+    return None if got is None else got[1]
+
+
+def threads_cpu(training: int | None = None) -> dict[str, float]:
+    """CPU seconds of each live thread of this process, by name: a Python thread by its
+    ``threading`` name (``training`` is the native id of the one that trains), another by the
+    kernel's; threads of one name summed."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    if training is not None:
+        names[training] = "training"
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        got = _stat_cpu(f"/proc/self/task/{tid}/stat")
+        if got is not None:
+            name = names.get(int(tid), got[0])
+            out[name] = out.get(name, 0.0) + got[1]
+    return out
+
+
+class CpuMeter:
+    """This process's CPU over a stretch of iterations, split by kind of thread, with a child
+    process's (a worker's shard). Made on the training thread; ``begin`` and ``end`` may be
+    called from any thread."""
+
+    def __init__(self, child: int | None = None) -> None:
+        self.training = threading.get_native_id()
+        self.child = child
+        self._start: tuple[float, dict[str, float], float] | None = None
+
+    def begin(self) -> None:
+        """The stretch starts (e.g. when the warm-up iterations are over)."""
+        proc = process_cpu()
+        if proc is None:
+            return
+        child = process_cpu(self.child) if self.child is not None else None
+        self._start = (proc, threads_cpu(self.training), child or 0.0)
+
+    def end(self, iterations: int) -> dict[str, Any]:
+        """CPU seconds per iteration since ``begin``: ``training`` (forward, backward, the
+        release of gradients), ``communication`` (the threads named above), ``other`` (the
+        rest of the process, threads that ended included: read it while the threads that
+        matter live), ``shard`` (the child), and ``threads`` by name. {} without a begin."""
+        proc = process_cpu()
+        if self._start is None or proc is None or iterations < 1:
+            return {}
+        proc0, threads0, child0 = self._start
+        threads = {k: v - threads0.get(k, 0.0) for k, v in threads_cpu(self.training).items()}
+        training = threads.get("training", 0.0)
+        comm = sum(v for k, v in threads.items() if k.startswith(COMM_PREFIXES))
+        out: dict[str, Any] = {"iterations": iterations}
+        per = {"training": training, "communication": comm,
+               "other": max(proc - proc0 - training - comm, 0.0)}
+        child = process_cpu(self.child) if self.child is not None else None
+        if child is not None:
+            per["shard"] = child - child0
+        out.update({k: v / iterations for k, v in per.items()})
+        out["threads"] = {k: v / iterations for k, v in sorted(threads.items()) if v > 0}
+        return out
