@@ -56,11 +56,13 @@ def test_upper_layers_communicate_during_lower_backward(comm, digits_db, tmp_pat
     assert s["iterations"] == 20 and s["comm_s_per_iter"] > 0
     assert s["hidden_fraction"] > 0.5, s
     # rank 0's CPU by kind of thread (tests/test_perf_cpu.py checks the split itself): the
-    # training thread computed, the communicator's threads and the shard sent and summed
+    # training thread computed, the communicator's threads summed, updated and moved bytes,
+    # the shard summed
+    # (each kind counted in /proc's 10 ms ticks: only the larger ones are sure to be seen)
     cpu = s["cpu_s_per_iter"]
     assert cpu["iterations"] == 19 and cpu["training"] > 0, cpu
-    assert cpu["communication"] > 0 and cpu["shard"] > 0, cpu
-    assert {"training", "poseidon-recv", "poseidon-progress"} <= set(cpu["threads"]), cpu
+    assert cpu["progress"] + cpu["transport"] > 0 and cpu["shard"] >= 0, cpu
+    assert cpu["threads"]["training"] == cpu["training"], cpu
     names = {row["layer"]: row["name"] for row in s["layers"]}
     wait = {names[int(k)]: v for k, v in s["wait_s_by_layer"].items()}
     # The first forward layer waits for the last gradient sent; the layers above never wait

@@ -161,6 +161,9 @@ class Endpoint:
             s.connect(ipc_address(e.host, peer_port) if p in local else
                       f"tcp://{e.host}:{peer_port}")
             self._push[p] = s
+        #: when each peer was last sent anything: a heartbeat goes only where nothing else
+        #: went for an interval (any message tells a peer this process lives)
+        self._sent_at: dict[PeerId, float] = {}
         beat = self._heartbeat
         self._threads = [threading.Thread(target=self._recv_loop, name="poseidon-recv", daemon=True),
                          threading.Thread(target=self.liveness.run, name="poseidon-heartbeat",
@@ -238,6 +241,9 @@ class Endpoint:
                 for _, sock in socks:
                     sock.send_multipart(piece, copy=False)
             sent = [p for p, _ in socks]
+            now = time.monotonic()
+            for p in sent:
+                self._sent_at[p] = now
         if tag is not None:
             for p in sent:
                 self.stats.add_bytes(hdr.layer, tag, True, nbytes, self._network(p))
@@ -372,7 +378,8 @@ class Endpoint:
                        f"from {who}")
 
     def _heartbeat(self, peer: PeerId) -> None:
-        self.send(peer, header(pb.HEARTBEAT))
+        if time.monotonic() - self._sent_at.get(peer, 0.0) >= self.liveness.interval / 2:
+            self.send(peer, header(pb.HEARTBEAT))
 
     def fatal(self, reason: str, propagate: bool = True) -> None:
         """Stop this process's communication with ``reason``; tell every peer (once)."""

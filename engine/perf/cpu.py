@@ -1,9 +1,11 @@
 """Where a worker's CPU goes: seconds per thread and per process, read from Linux's /proc.
 
-A worker's threads have names (training: the thread that trains; ``poseidon-*``: the
-communicator's receive, send, progress, heartbeat and engine threads; ZeroMQ's ``ZMQbg/*`` I/O
-threads), and everything else (BLAS and Numba pools, threads that ended) is the rest of the
-process. ``CpuMeter`` takes those apart over a stretch of iterations, and its shard's CPU beside
+A worker's threads have names: the thread that trains; the communicator's progress thread
+(``poseidon-progress``: sums, SFB's rebuilds of the gradients from their factors, codecs and
+the solver's updates, work a GPU worker does on its device); its transport (``poseidon-recv``,
+``-send``, ``-heartbeat``, an engine's threads, ZeroMQ's ``ZMQbg/*`` I/O threads: moving,
+authenticating and checking bytes); and everything else (BLAS and Numba pools, data prefetch,
+threads that ended) is the rest of the process. ``CpuMeter`` takes those apart over a stretch of iterations, and its shard's CPU beside
 them, so a run can say what the communicator costs apart from the compute it serves
 (``--stats``; ``poseidon bench cluster``). Empty where there is no /proc.
 """
@@ -15,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-#: thread-name prefixes of the communication (Poseidon's threads, ZeroMQ's I/O threads)
-COMM_PREFIXES = ("poseidon-", "ZMQbg")
+#: the communicator's thread that sums and updates
+PROGRESS = "poseidon-progress"
+#: thread-name prefixes of the transport (Poseidon's other threads, ZeroMQ's I/O threads)
+TRANSPORT_PREFIXES = ("poseidon-", "ZMQbg")
 
 
 def _stat_cpu(path: str) -> tuple[str, float] | None:
@@ -76,7 +80,8 @@ class CpuMeter:
 
     def end(self, iterations: int) -> dict[str, Any]:
         """CPU seconds per iteration since ``begin``: ``training`` (forward, backward, the
-        release of gradients), ``communication`` (the threads named above), ``other`` (the
+        release of gradients), ``progress`` and ``transport`` (the threads named above),
+        ``other`` (the
         rest of the process, threads that ended included: read it while the threads that
         matter live), ``shard`` (the child), and ``threads`` by name. {} without a begin."""
         proc = process_cpu()
@@ -85,10 +90,12 @@ class CpuMeter:
         proc0, threads0, child0 = self._start
         threads = {k: v - threads0.get(k, 0.0) for k, v in threads_cpu(self.training).items()}
         training = threads.get("training", 0.0)
-        comm = sum(v for k, v in threads.items() if k.startswith(COMM_PREFIXES))
+        progress = threads.get(PROGRESS, 0.0)
+        transport = sum(v for k, v in threads.items()
+                        if k.startswith(TRANSPORT_PREFIXES) and k != PROGRESS)
         out: dict[str, Any] = {"iterations": iterations}
-        per = {"training": training, "communication": comm,
-               "other": max(proc - proc0 - training - comm, 0.0)}
+        per = {"training": training, "progress": progress, "transport": transport,
+               "other": max(proc - proc0 - training - progress - transport, 0.0)}
         child = process_cpu(self.child) if self.child is not None else None
         if child is not None:
             per["shard"] = child - child0

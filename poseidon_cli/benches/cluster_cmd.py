@@ -82,7 +82,7 @@ def cluster(solver: str, workers: str, schemes: str, bandwidth: str, compute: st
             if split:  # where rank 0's CPU went, apart from the compute it serves
                 click.echo("    rank 0 CPU per iteration: " + ", ".join(
                     f"{k} {split[k] * 1e3:.1f} ms" for k in
-                    ("training", "communication", "other", "shard") if k in split))
+                    ("training", "progress", "transport", "other", "shard") if k in split))
             sys.stdout.flush()
 
         try:
