@@ -24,16 +24,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu(stat_path: str) -> tuple[str, float]:
-    """(name, CPU seconds) of a /proc stat file."""
-    with open(stat_path) as f:
-        text = f.read()
-    name = text[text.index("(") + 1:text.rindex(")")]
-    fields = text.rsplit(")", 1)[1].split()
-    return name, (int(fields[11]) + int(fields[12])) / TICK
+sys.path.insert(0, str(ROOT))
+from engine.perf.cpu import stat_cpu  # noqa: E402  (the checkout's, run from anywhere)
 
 
 def threads(pid: int) -> dict[str, float]:
@@ -44,11 +36,9 @@ def threads(pid: int) -> dict[str, float]:
     for p in pids:
         role = "worker" if p == pid else "shard"
         for tid in os.listdir(f"/proc/{p}/task"):
-            try:
-                name, sec = _cpu(f"/proc/{p}/task/{tid}/stat")
-            except OSError:
-                continue
-            out[f"{role}/{name} {tid}"] = sec
+            got = stat_cpu(f"/proc/{p}/task/{tid}/stat")
+            if got is not None:
+                out[f"{role}/{got[0]} {tid}"] = got[1]
     return out
 
 

@@ -23,7 +23,7 @@ PROGRESS = "poseidon-progress"
 TRANSPORT_PREFIXES = ("poseidon-", "ZMQbg")
 
 
-def _stat_cpu(path: str) -> tuple[str, float] | None:
+def stat_cpu(path: str) -> tuple[str, float] | None:
     """(kernel name, user + system seconds) of a /proc stat file; None when it is gone."""
     try:
         text = Path(path).read_text()
@@ -36,7 +36,7 @@ def _stat_cpu(path: str) -> tuple[str, float] | None:
 
 def process_cpu(pid: int | str = "self") -> float | None:
     """CPU seconds of a whole process (its ended threads included)."""
-    got = _stat_cpu(f"/proc/{pid}/stat")
+    got = stat_cpu(f"/proc/{pid}/stat")
     return None if got is None else got[1]
 
 
@@ -53,7 +53,7 @@ def threads_cpu(training: int | None = None) -> dict[str, float]:
     except OSError:
         return out
     for tid in tids:
-        got = _stat_cpu(f"/proc/self/task/{tid}/stat")
+        got = stat_cpu(f"/proc/self/task/{tid}/stat")
         if got is not None:
             name = names.get(int(tid), got[0])
             out[name] = out.get(name, 0.0) + got[1]
