@@ -113,3 +113,22 @@ def test_two_machines_by_hand_say_whom_they_wait_for(digits_db, tmp_path):  # no
     # waiting costs nothing: no thread polls while nothing is due (a wide bound: the figure
     # on a quiet machine is well under 1% of a core, docs/benchmarks.md)
     assert idle < IDLE_BOUND, f"rank 0 and its shard used {idle:.1%} of a core while waiting"
+
+
+def test_the_hint_for_other_machines_is_each_ranks_exact_command(tmp_path):
+    """A hosts file naming another machine, no key file: the launcher prints, for each worker
+    not on this machine, the exact command to run there (this command, its rank added), then
+    says in one line why it cannot go on without a key, before anything starts."""
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("0 127.0.0.1 29611\n1 192.0.2.7 29611\n")  # TEST-NET-1: never this host
+    solver = ROOT / "models" / "digits_lenet" / "solver.prototxt"
+    done = subprocess.run([sys.executable, "-m", "poseidon_cli.main", "train", "--solver",
+                           str(solver), "--hosts", str(hosts), "--startup-timeout", "90"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode != 0
+    assert "1 worker not on this machine: start each within 90 s (--startup-timeout)" in lines[0]
+    assert lines[1] == (f"poseidon:   on 192.0.2.7: poseidon train --solver {solver} --hosts "
+                        f"{hosts} --startup-timeout 90 --rank 1"), lines
+    assert "--key-file" not in lines[1]  # no key file given: none to name
+    assert "need this job's key" in lines[-1] and "poseidon keygen job.key" in lines[-1], lines
