@@ -25,13 +25,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from engine.perf.cpu import stat_cpu  # noqa: E402  (the checkout's, run from anywhere)
+from engine.perf.cpu import children, stat_cpu  # noqa: E402  (the checkout's, run from anywhere)
 
 
 def threads(pid: int) -> dict[str, float]:
     """CPU seconds of each thread of ``pid`` and of its children, keyed 'process/thread tid'."""
-    pids = [pid] + [int(p) for p in os.listdir("/proc") if p.isdigit()
-                    and _ppid(int(p)) == pid]
+    pids = [pid, *children(pid)]
     out = {}
     for p in pids:
         role = "worker" if p == pid else "shard"
@@ -40,14 +39,6 @@ def threads(pid: int) -> dict[str, float]:
             if got is not None:
                 out[f"{role}/{got[0]} {tid}"] = got[1]
     return out
-
-
-def _ppid(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return -1
 
 
 def free_port() -> int:

@@ -21,20 +21,8 @@ IDLE_WINDOW_S = 4.0
 
 def cpu_seconds(pid: int) -> float:
     """User and system CPU seconds of ``pid`` and its children alive now (Linux's /proc)."""
-    import os
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        if int(entry) == pid or int(fields[1]) == pid:  # fields[1]: the parent's pid
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+    from engine.perf.cpu import children, process_cpu
+    return sum(process_cpu(p) or 0.0 for p in [pid, *children(pid)])
 
 
 def cpu_share(pid: int, window: float) -> float:

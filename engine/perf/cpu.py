@@ -40,6 +40,20 @@ def process_cpu(pid: int | str = "self") -> float | None:
     return None if got is None else got[1]
 
 
+def children(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid`` (a worker's shard)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                text = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:  # gone meanwhile
+                continue
+            if int(text.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
 def threads_cpu(training: int | None = None) -> dict[str, float]:
     """CPU seconds of each live thread of this process, by name: a Python thread by its
     ``threading`` name (``training`` is the native id of the one that trains), another by the
