@@ -1,8 +1,9 @@
 """The sufficient-factor contract: what a layer offers the communicator so that SFB can send
 two small factors instead of its weight gradient (Poseidon's sufficient-factor broadcasting).
 
-A layer declares it by deriving from ``SufficientFactors`` (engine/layers/inner_product.py);
-the communicator (engine/comm/bind.py) asks ``isinstance(layer, SufficientFactors)`` and knows
+A layer declares it by deriving from ``SufficientFactors`` (engine/layers/inner_product.py),
+and rebuilds its own gradient from every worker's factors: the arithmetic stays the layer's, on
+its device (replayed compute, engine/perf/replay.py, waits instead). The communicator (engine/comm/bind.py) asks ``isinstance(layer, SufficientFactors)`` and knows
 no layer class. Below both.
 """
 from __future__ import annotations
@@ -40,3 +41,10 @@ class SufficientFactors(ABC):
     @abstractmethod
     def remember_factors(self, top: Any, bottom: Any) -> None:
         """Take this pass's factors without computing the gradient (replayed compute)."""
+
+    @abstractmethod
+    def rebuild_gradient(self, u: Any, v: Any, world: int) -> None:
+        """Set the weight gradient, and the bias's if the layer has one, to the mean over
+        ``world`` workers from their factors: ``u`` and ``v`` hold every worker's rows, in
+        an order every worker shares, so every replica computes the very same bits. On the
+        device the parameters live on (the layer's work, as its backward is)."""

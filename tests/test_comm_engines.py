@@ -286,7 +286,7 @@ def test_two_ranks_sum_in_one_order_and_agree_on_every_signal(signal_floats, pat
     for rank in range(2):
         host = _Host(rank)
         units = [Unit([LayerSlot(i, f"l{i}", [ParamSlot(i, f"l{i}/0",
-                                                        Blob(n, rank + i), "other")])], "hub")
+                                                        Blob(n, rank + i))])], "hub")
                  for i, n in ((1, signal_floats), (2, 5), (3, 7))]
         hosts.append(host)
         schemes.append((_HubScheme(host, units, 1 << 20), units))

@@ -20,6 +20,7 @@ from engine.comm.planner import PlanOptions, make_plan
 from engine.comm.shard import ShardServer
 from engine.comm.syncer import LayerSlot, ParamSlot, Syncer, open_worker
 from engine.pb import poseidon_pb2 as pb
+from tests.test_comm_sync import fc_rebuild
 from tests.test_comm_transport import KEY, local_hosts
 
 #: the endpoints' timeout: a liveness bound only. Up to twelve endpoints share this process's
@@ -57,12 +58,10 @@ def run(world: int, comm: str, rounds: int = 2, chunk_bytes: int = 64, fusion_by
             blobs = {l: [SimpleNamespace(data=np.zeros(s, np.float32), diff=np.zeros(s, np.float32))
                          for s in ss] for l, ss in shapes.items()}
             g0: dict = {}
-            slots = {l: LayerSlot(l, f"l{l}", [ParamSlot(10 * l + j, f"l{l}/{j}", b,
-                                                         ("weight", "bias")[j] if l in factors
-                                                         else "other")
+            slots = {l: LayerSlot(l, f"l{l}", [ParamSlot(10 * l + j, f"l{l}/{j}", b)
                                                for j, b in enumerate(bl)],
                                   (lambda l=l: g0["factors"][l]) if l in factors else None,
-                                  factors.get(l))
+                                  factors.get(l), rebuild=fc_rebuild(bl) if l in factors else None)
                      for l, bl in blobs.items()}
             seen: dict = {}
             done = {l: 0 for l in shapes}
@@ -287,8 +286,7 @@ def test_halving_doubling_checks_sender_step_piece_and_shape():
     from engine.comm.units import Unit
     from engine.pb import poseidon_pb2 as pb
 
-    slot = LayerSlot(0, "l0", [ParamSlot(0, "l0/0", SimpleNamespace(diff=np.zeros(40, np.float32)),
-                                         "other")])
+    slot = LayerSlot(0, "l0", [ParamSlot(0, "l0/0", SimpleNamespace(diff=np.zeros(40, np.float32)))])
     host = SimpleNamespace(world=4, rank=0, codec=Codec())
     hd = HalvingDoubling(host, [Unit([slot], "hd")], chunk_bytes=64)
     # worker 0 of 4: halving with 2 first; it keeps values 0-19, which come in two pieces of

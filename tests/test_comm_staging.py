@@ -17,7 +17,7 @@ gpu = pytest.mark.skipif(not backend.cupy_available(), reason="needs CuPy and a 
 
 
 def unit_of(*diffs) -> Unit:
-    params = [ParamSlot(i, f"l/{i}", SimpleNamespace(diff=d, data=d), "other")
+    params = [ParamSlot(i, f"l/{i}", SimpleNamespace(diff=d, data=d))
               for i, d in enumerate(diffs)]
     return Unit([LayerSlot(3, "l", params)], "ps")
 

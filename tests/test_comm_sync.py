@@ -27,6 +27,20 @@ SHAPES = {0: [(16,)], 1: [(N, M), (N,)], 2: [(3, 4)]}
 LR = 0.1
 
 
+def fc_rebuild(blobs):
+    """A fake FC layer's ``rebuild_gradient`` over its (N x M weight, N bias) ``blobs``: the
+    arithmetic of engine/layers/inner_product.py's."""
+    def rebuild(u, v, world):
+        g = u.T @ v
+        g /= world
+        blobs[0].diff[...] = g
+        if len(blobs) > 1:
+            b = u.sum(axis=0)
+            b /= world
+            blobs[1].diff[...] = b
+    return rebuild
+
+
 def _grads(rank: int, rnd: int) -> dict:
     rng = np.random.default_rng(1000 * rank + rnd)
     u = rng.standard_normal((K, N)).astype(np.float32)
@@ -53,7 +67,7 @@ def _plan(world: int, scheme: str, chunk_bytes: int, link=None):
 def _layout(world: int, chunk_bytes: int, scheme: str = "ps"):
     """The chunk table the workers of this test compute."""
     slots = {l: LayerSlot(l, f"l{l}", [ParamSlot(0, "", SimpleNamespace(
-        diff=np.zeros(s, np.float32)), "other") for s in shapes]) for l, shapes in SHAPES.items()}
+        diff=np.zeros(s, np.float32))) for s in shapes]) for l, shapes in SHAPES.items()}
     units = [Unit([slots[l] for l in ls], s) for ls, s in _plan(world, scheme, chunk_bytes).units
              if s == "ps"]
     return make_layout(unit_vectors(units, Codec().vectors, "<f4"), world, chunk_bytes)
@@ -67,11 +81,12 @@ def worker_main(rank, hosts, scheme, rounds, chunk_bytes, backward_s, out):
         for layer, bl in blobs.items():
             slots = []
             for j, b in enumerate(bl):
-                slots.append(ParamSlot(idx, f"l{layer}/{j}", b, ("weight", "bias")[j] if layer == 1 else "other"))
+                slots.append(ParamSlot(idx, f"l{layer}/{j}", b))
                 idx += 1
             layers[layer] = LayerSlot(layer, f"l{layer}", slots,
                                       (lambda: (state["u"], state["v"])) if layer == 1 else None,
-                                      (K, M, N) if layer == 1 else None)
+                                      (K, M, N) if layer == 1 else None,
+                                      rebuild=fc_rebuild(bl) if layer == 1 else None)
         state.update(_grads(rank, 0))
 
         def update(layer):

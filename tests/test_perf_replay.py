@@ -5,7 +5,9 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
+import time
 
+import numpy as np
 
 from engine.perf.trace import LayerTime, Trace
 from tests.test_comm_train import (digits_db, poseidon, write_hosts,  # noqa: F401
@@ -35,7 +37,7 @@ def iteration_times(stderr: str) -> dict[int, float]:
 
 def test_one_process_takes_the_traced_time(digits_db, tmp_path):  # noqa: F811
     # 7 layers x 2 ms forward and 6 layers x 4 ms backward (the data layer has none), x 3:
-    # 114 ms per iteration, plus a small real solver update
+    # 114 ms per iteration, plus the replayed solver update (microseconds for these weights)
     solver = write_run(tmp_path, digits_db, 8, "r", iters=12, display=1)
     done = poseidon("train", "--solver", str(solver), "--replay", str(trace(tmp_path, 2, 4)),
                     "--time-scale", "3")
@@ -46,6 +48,39 @@ def test_one_process_takes_the_traced_time(digits_db, tmp_path):  # noqa: F811
     # (stress-ng made it 0.21 s), so the upper bound is a liveness bound, not a speed claim
     assert 0.114 <= period <= 1.0, period
     assert "no data is read and no test net is run" in done.stderr
+
+
+def test_device_work_waits_its_modelled_time_and_computes_nothing(digits_db, tmp_path):  # noqa: F811
+    # a GPU worker's update and SFB rebuild are device work: a replayed run waits the model's
+    # time for them (here a device slowed down so the waits are long) and computes nothing
+    from engine.comm.cost import Device
+    from engine.perf.replay import ReplayFactorLayer, make_solver
+
+    solver = write_run(tmp_path, digits_db, 8, "r", iters=2)
+    nbytes = sum(p.data.nbytes for p in make_solver(solver, trace(tmp_path, 0, 0), 1.0)
+                 .net.learnable_params)
+    device = Device(update_bytes_per_s=5 * nbytes / 0.2, gemm_flops_per_s=1e9)
+    s = make_solver(solver, trace(tmp_path, 0, 0), 2.0, device=device)
+    before = [p.data.copy() for p in s.net.learnable_params]
+    t = time.perf_counter()
+    s.step(1)
+    # the layers take no time: the update is 0.2 s x 2 on the device
+    assert 0.4 <= time.perf_counter() - t <= 5.0
+    for p, b in zip(s.net.learnable_params, before):
+        assert np.array_equal(p.data, b)
+    [ip1] = [layer for name, layer in zip(s.net.layer_names, s.net.layers) if name == "ip1"]
+    assert isinstance(ip1, ReplayFactorLayer)
+    spec = ip1.factor_spec()
+    diffs = [b.diff.copy() for b in ip1.blobs]
+    rows = 2 * spec.k
+    u = np.ones((rows, spec.n), np.float32)
+    v = np.ones((rows, spec.m), np.float32)
+    t = time.perf_counter()
+    ip1.rebuild_gradient(u, v, 2)
+    # 2 * rows * m * n flops at 1 GFLOP/s, x 2
+    assert 4e-9 * rows * spec.m * spec.n <= time.perf_counter() - t <= 5.0
+    for b, d in zip(ip1.blobs, diffs):
+        assert np.array_equal(b.diff, d)
 
 
 def test_replayed_workers_send_the_real_bytes(digits_db, tmp_path):  # noqa: F811

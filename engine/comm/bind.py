@@ -5,7 +5,7 @@ built Net: the learnable parameters each layer owns, and whether a layer declare
 sufficient-factor contract (engine/factors.py: ``factor_spec()``, K rows, M inputs, N outputs
 and the orientation of the weight; ``sufficient_factors()`` after a backward;
 ``defer_weight_gradient``, which spares the layer's own weight-gradient GEMM when SFB rebuilds
-it).
+it; ``rebuild_gradient``, the rebuild).
 """
 from __future__ import annotations
 
@@ -37,16 +37,13 @@ def describe_net(net: Any) -> tuple[dict[int, LayerSlot], list[LayerInfo]]:
         blobs = [net.learnable_params[i] for i in idx]
         spec = _factor_spec(net, li, layer, blobs, uses)
         shape = (spec.k, spec.m, spec.n) if spec is not None else None
-        params = []
-        for i, blob in zip(idx, blobs):
-            j = int(net.param_names[i].rsplit("/", 1)[1])
-            role = "other"
-            if spec is not None:
-                role = ("weight_t" if spec.transposed else "weight") if j == 0 else "bias"
-            params.append(ParamSlot(i, net.param_names[i], blob, role))
-        slots[li] = LayerSlot(li, net.layer_names[li], params,
-                              layer.sufficient_factors if spec is not None else None, shape,
-                              _deferrer(layer) if spec is not None else None)
+        params = [ParamSlot(i, net.param_names[i], blob) for i, blob in zip(idx, blobs)]
+        slots[li] = LayerSlot(li, net.layer_names[li], params)
+        if spec is not None:
+            slots[li].factors = layer.sufficient_factors
+            slots[li].factor_shape = shape
+            slots[li].defer_weight_gradient = _deferrer(layer)
+            slots[li].rebuild = layer.rebuild_gradient
         infos.append(LayerInfo(li, net.layer_names[li], [tuple(b.shape) for b in blobs], shape,
                                int(np.dtype(blobs[0].dtype).itemsize)))
     return slots, infos

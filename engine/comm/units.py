@@ -19,7 +19,6 @@ class ParamSlot:
     index: int       # learnable-parameter index
     name: str        # "layer/i"
     blob: Any        # has .data and .diff (numpy or cupy)
-    role: str        # "weight" (grad uᵀ·v), "weight_t" (grad vᵀ·u), "bias" (Σ rows of u), "other"
 
 
 @dataclass
@@ -34,6 +33,8 @@ class LayerSlot:
     factor_shape: tuple[int, int, int] | None = None
     #: tells the layer that its weight gradient is rebuilt from the factors (skip the GEMM)
     defer_weight_gradient: Callable[[bool], None] | None = None
+    #: (u, v, world): sets the layer's mean gradients from every worker's factors
+    rebuild: Callable[[Any, Any, int], None] | None = None
 
     @property
     def count(self) -> int:

@@ -147,7 +147,7 @@ def _syncer(scheme: str, nbytes: int, rank: int, world: int, base: int, key: byt
     from poseidon_cli.launch.hostfile import parse_hosts_text
 
     n = nbytes // 4
-    slots = {0: LayerSlot(0, "grad", [ParamSlot(0, "grad/0", _Blob(n), "other")])}
+    slots = {0: LayerSlot(0, "grad", [ParamSlot(0, "grad/0", _Blob(n))])}
     infos = [LayerInfo(0, "grad", [(n,)])]
     hosts = parse_hosts_text("".join(f"{i} 127.0.0.1 {base + 2 * i}\n" for i in range(world)))
     ep = open_worker(rank, hosts, key=key, timeout=120, shards=False,

@@ -7,14 +7,17 @@ host's veth the bytes that crossed its link in that window, rank 0's ``--stats``
 node as the transport counts them and the overlap. Next to each measurement stands the DAG model's
 prediction for the same configuration (engine/perf/dag.py).
 
-With replayed compute (``--compute replay``) every layer waits its traced time x S and each
-link runs at bandwidth / S: the ratio of compute to communication of the traced GPUs on the
-traced network, slowed down S times so that this machine's few cores are not the bottleneck.
-Times are reported divided by S. The costs that stay real and are not scaled (the solver
-update, SFB's reconstruction, the shard's sums, all on this CPU and shared by 2P processes)
-are measured here and given to the model as its device, and so are the links' latency and the
-payload rate one TCP stream gets through the shaper (not the nominal rate: headers take ~5%).
-A run whose CPU was saturated is not a cluster measurement and is marked so.
+With replayed compute (``--compute replay``) a GPU worker's device work waits (every layer its
+traced time x S, the solver update and SFB's rebuild the default GPU's time x S: engine/perf/
+replay.py) and each link runs at bandwidth / S: the ratio of compute to communication of the
+traced GPUs on the traced network, slowed down S times so that this machine's few cores are not
+the bottleneck. Times are reported divided by S. The model prices the update and the rebuild
+on the same GPU, and what stays real and is not scaled (the sums of the shards and of the
+collectives, on this CPU and shared by 2P processes) at this machine's measured speed, and
+so the links' latency and the payload rate one TCP stream gets through the shaper (not the
+nominal rate: headers take ~5%). With real compute (``--compute real``) the update and the
+rebuild run on this CPU too, and the model prices them so. A run whose CPU was saturated is
+not a cluster measurement and is marked so.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ from engine.comm.link import UNFAIR_MEASURED, Link
 from engine.perf.dag import Device, predict
 from engine.perf.netinfo import net_info
 from engine.perf.netns import EmulatedCluster
+from engine.perf.replay import DEVICE as REPLAYED
 from engine.perf.trace import Trace, load_trace
 
 PORT = 29500
@@ -96,6 +100,17 @@ def cpu_device(processes: int) -> Device:
     return Device(f"this CPU shared by {processes} processes (x{share:.2f})",
                   update_bytes_per_s=update * share, gemm_flops_per_s=gemm * share,
                   add_bytes_per_s=add * share, update_on_device=False)
+
+
+def replayed_device(cpu: Device, time_scale: float) -> Device:
+    """The model's device for a replayed run, in its real (stretched) time: the update and
+    the rebuild the replayed GPU's (x ``time_scale``), the sums ``cpu``'s."""
+    gpu = REPLAYED
+    return Device(f"{gpu.name}, replayed x {time_scale:g}; sums on {cpu.name}",
+                  update_bytes_per_s=gpu.update_bytes_per_s / time_scale,
+                  update_passes=gpu.update_passes,
+                  gemm_flops_per_s=gpu.gemm_flops_per_s / time_scale,
+                  add_bytes_per_s=cpu.add_bytes_per_s, update_on_device=gpu.update_on_device)
 
 
 def _best(fn: Any, repeat: int = 5) -> float:
@@ -302,6 +317,8 @@ def run_bench(solver: Path, workers: list[int], schemes: list[str], bits_per_s: 
                 solver, p, scheme if p > 1 else "ps", bits_per_s, compute, trace_path,
                 time_scale, iters, warmup, slots=slots)
             device = cpu_device(2 * p if p > 1 else 1)
+            if compute == "replay":
+                device = replayed_device(device, scale)
             comm, extra = split_variant(scheme) if p > 1 else ("ps", [])
             pred = predict(info, trace.scaled(scale) if scale != 1 else trace, p, comm, link,
                            device, slots=slots if p > slots else 1,

@@ -5,7 +5,8 @@ transposed weight) with u the top diff (K x N) and v the bottom data (K x M); it
 is the sum of u's rows. Each worker broadcasts (u, v) to every peer and rebuilds
 ``Σ_p u_pᵀ v_p`` from the factors concatenated in rank order, so every replica forms the very
 same matrices and the result is bit-identical. The layer skips its own weight-gradient GEMM
-(``LayerSlot.defer_weight_gradient``): the rebuild overwrites it.
+(``LayerSlot.defer_weight_gradient``) and does the rebuild itself (``LayerSlot.rebuild``), on
+its device.
 """
 from __future__ import annotations
 
@@ -226,19 +227,7 @@ class SFB(Scheme):
         u = np.concatenate([b[0] for b in blocks]) if len(blocks) > 1 else blocks[0][0]
         v = np.concatenate([b[1] for b in blocks]) if len(blocks) > 1 else blocks[0][1]
         [slot] = unit.layers
-        for p in slot.params:
-            if p.role == "weight":
-                g = u.T @ v
-            elif p.role == "weight_t":
-                g = v.T @ u
-            elif p.role == "bias":
-                g = u.sum(axis=0)
-            else:
-                raise RuntimeError(f"layer {slot.name}: parameter {p.name} cannot be rebuilt "
-                                   "from sufficient factors")
-            g /= world
-            xp = backend.get_array_module(p.blob.diff)
-            p.blob.diff[...] = xp.asarray(g.reshape(p.blob.diff.shape), dtype=p.blob.diff.dtype)
+        slot.rebuild(u, v, world)  # type: ignore[misc]
         if tl.active:
             tl.complete(f"rebuild {unit.name}", "rebuild", start, {"round": rnd})
         self.host.done(unit, rnd, bits)
