@@ -4,10 +4,10 @@ Each host is a namespace with a veth pair whose other end sits on one bridge. Ea
 shaped in both directions with ``tbf``: egress on the namespace's end limits what the host
 sends, egress on the bridge's end limits what it receives, as a full-duplex NIC on a
 switch. This kernel has no ``netem``: no delay or loss is imposed, and the latency the links
-have is measured (``measure_latency``) and reported, never assumed. The links carry jumbo frames
-(``MTU``): every packet costs the kernel the same through veth, bridge and tbf whatever its
-size, and at 1500 bytes that took half the CPU of a 16-worker run (its softirq time), work that
-a real NIC's segmentation offloads spare the hosts.
+have is measured (``measure_latency``) and reported, never assumed. A fast link carries jumbo
+frames (``link_mtu``): every packet costs the kernel the same through veth, bridge and tbf
+whatever its size, and at 1500 bytes that took half the CPU of a 16-worker run at 100 Mbit/s
+(its softirq time), work that a real NIC's segmentation offloads spare the hosts.
 
 Names carry the creating process's pid (``pp<pid>h<i>``, bridge ``pp<pid>br``), so two runs do
 not collide, and ``cleanup_stale`` removes what a killed run left behind. Everything is torn
@@ -26,8 +26,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 PREFIX = "pp"
-#: the links' MTU: jumbo frames, as 10 GbE clusters run them (below tbf's smallest burst)
-MTU = 9000
+#: jumbo frames, as 10 GbE clusters run them (below tbf's smallest burst), and Ethernet's
+JUMBO_MTU, MTU = 9000, 1500
+#: jumbo frames only where tbf's queue holds this many: with 16 hosts sending to one through a
+#: queue of 115 (41.7 Mbit/s), TCP flows stalled past a 60 s time-out (1500 bytes: 695 packets,
+#: and the run was within 5% of the model); at 100 Mbit/s (277) every row was within 10%
+JUMBO_QUEUE_PACKETS = 256
 _NAME = re.compile(rf"^{PREFIX}(\d+)(h\d+|br)$")
 
 
@@ -56,10 +60,19 @@ def tbf_args(bits_per_s: float) -> list[str]:
     """tbf's rate, burst and queue for a link of ``bits_per_s``. The burst holds 4 ms of
     traffic (at least 32 KB, more than one 64 KB GSO segment's worth at high rates would let
     bursts through at line rate); the queue holds 200 ms, so TCP meets the rate, not drops."""
+    burst, limit = _tbf_bytes(bits_per_s)
+    return ["rate", f"{int(bits_per_s)}bit", "burst", str(burst), "limit", str(limit)]
+
+
+def _tbf_bytes(bits_per_s: float) -> tuple[int, int]:
     bytes_per_s = bits_per_s / 8
     burst = max(int(bytes_per_s * 0.004), 32 << 10)
-    limit = max(int(bytes_per_s * 0.2), 4 * burst)
-    return ["rate", f"{int(bits_per_s)}bit", "burst", str(burst), "limit", str(limit)]
+    return burst, max(int(bytes_per_s * 0.2), 4 * burst)
+
+
+def link_mtu(bits_per_s: float) -> int:
+    """The MTU of a link of ``bits_per_s``: jumbo frames when its queue holds enough of them."""
+    return JUMBO_MTU if _tbf_bytes(bits_per_s)[1] >= JUMBO_QUEUE_PACKETS * JUMBO_MTU else MTU
 
 
 class EmulatedCluster:
@@ -100,8 +113,9 @@ class EmulatedCluster:
         for i, ns in enumerate(self.namespaces):
             host_end, ns_end = f"{self.tag}v{i}", f"{self.tag}n{i}"
             _ip("ip", "netns", "add", ns)
-            _ip("ip", "link", "add", host_end, "mtu", str(MTU), "type", "veth", "peer", "name",
-                ns_end, "mtu", str(MTU))
+            mtu = str(link_mtu(self.bits_per_s))
+            _ip("ip", "link", "add", host_end, "mtu", mtu, "type", "veth", "peer", "name",
+                ns_end, "mtu", mtu)
             _ip("ip", "link", "set", ns_end, "netns", ns)
             _ip("ip", "link", "set", host_end, "master", self.bridge)
             _ip("ip", "link", "set", host_end, "up")

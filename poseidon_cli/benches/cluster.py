@@ -15,7 +15,7 @@ the bottleneck. Times are reported divided by S. The model prices the update and
 on the same GPU, and what stays real and is not scaled (the sums of the shards and of the
 collectives, on this CPU and shared by 2P processes) at this machine's measured speed, and
 so the links' latency and the payload rate one TCP stream gets through the shaper (not the
-nominal rate: headers take ~1% in jumbo frames). With real compute (``--compute real``) the update and the
+nominal rate: headers take ~5%, ~1% in the jumbo frames of a fast link). With real compute (``--compute real``) the update and the
 rebuild run on this CPU too, and the model prices them so. A run whose CPU was saturated is
 not a cluster measurement and is marked so.
 """
