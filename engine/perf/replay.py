@@ -11,8 +11,7 @@ Everything on the host is real: the blobs keep their real shapes, the gradients 
 of real sizes, and the communicator (wait-free release after each backward, the per-layer wait
 before each forward) sends them over the real sockets, signs and checks them, and the shards
 sum them. The emulated cluster scales its links' bandwidth down by the same S, so the machine's
-CPU is not what limits the run. Nothing computes, so the parameters never change: a replayed
-run measures speed, not accuracy.
+CPU is not what limits the run. Nothing computes, so the parameters never change.
 
 The training net is built with its data layers replaced by Input layers of the same shapes
 (engine/perf/netinfo.py), so no database is read, and without test nets: a replayed run
@@ -132,7 +131,7 @@ class ReplayFactorLayer(ReplayLayer, SufficientFactors):
 
 
 class ReplaySolver(Solver):
-    """A Solver whose updates wait as the emulated device's would (``install`` sets it)."""
+    """A Solver whose updates wait as its emulated ``device`` would (``make_solver`` sets it)."""
 
     device: ReplayDevice
 
