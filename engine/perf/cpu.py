@@ -5,9 +5,10 @@ A worker's threads have names: the thread that trains; the communicator's progre
 the solver's updates, work a GPU worker does on its device); its transport (``poseidon-recv``,
 ``-send``, ``-heartbeat``, an engine's threads, ZeroMQ's ``ZMQbg/*`` I/O threads: moving,
 authenticating and checking bytes); and everything else (BLAS and Numba pools, data prefetch,
-threads that ended) is the rest of the process. ``CpuMeter`` takes those apart over a stretch of iterations, and its shard's CPU beside
-them, so a run can say what the communicator costs apart from the compute it serves
-(``--stats``; ``poseidon bench cluster``). Empty where there is no /proc.
+threads that ended) is the rest of the process. ``CpuMeter`` takes those apart over a stretch
+of iterations, and its shard's CPU beside them, so a run can say what the communicator costs
+apart from the compute it serves (``--stats``; ``poseidon bench cluster``). Empty where there
+is no /proc.
 """
 from __future__ import annotations
 
@@ -23,14 +24,21 @@ PROGRESS = "poseidon-progress"
 TRANSPORT_PREFIXES = ("poseidon-", "ZMQbg")
 
 
-def stat_cpu(path: str) -> tuple[str, float] | None:
-    """(kernel name, user + system seconds) of a /proc stat file; None when it is gone."""
+def _stat(path: str) -> tuple[str, list[str]] | None:
+    """(kernel name, the fields after it) of a /proc stat file; None when it is gone."""
     try:
         text = Path(path).read_text()
     except OSError:
         return None
-    name = text[text.index("(") + 1:text.rindex(")")]
-    fields = text.rsplit(")", 1)[1].split()
+    return text[text.index("(") + 1:text.rindex(")")], text.rsplit(")", 1)[1].split()
+
+
+def stat_cpu(path: str) -> tuple[str, float] | None:
+    """(kernel name, user + system seconds) of a /proc stat file; None when it is gone."""
+    got = _stat(path)
+    if got is None:
+        return None
+    name, fields = got
     return name, (int(fields[11]) + int(fields[12])) / _TICK
 
 
@@ -44,13 +52,9 @@ def children(pid: int) -> list[int]:
     """The live processes whose parent is ``pid`` (a worker's shard)."""
     out = []
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                text = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:  # gone meanwhile
-                continue
-            if int(text.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
+        got = _stat(f"/proc/{entry}/stat") if entry.isdigit() else None  # None: gone meanwhile
+        if got is not None and int(got[1][1]) == pid:
+            out.append(int(entry))
     return out
 
 
@@ -95,9 +99,9 @@ class CpuMeter:
     def end(self, iterations: int) -> dict[str, Any]:
         """CPU seconds per iteration since ``begin``: ``training`` (forward, backward, the
         release of gradients), ``progress`` and ``transport`` (the threads named above),
-        ``other`` (the
-        rest of the process, threads that ended included: read it while the threads that
-        matter live), ``shard`` (the child), and ``threads`` by name. {} without a begin."""
+        ``other`` (the rest of the process, threads that ended included: read it while the
+        threads that matter live), ``shard`` (the child), and ``threads`` by name. {} without
+        a begin."""
         proc = process_cpu()
         if self._start is None or proc is None or iterations < 1:
             return {}

@@ -110,10 +110,10 @@ class EmulatedCluster:
     def _build(self) -> None:
         _ip("ip", "link", "add", self.bridge, "type", "bridge")
         _ip("ip", "link", "set", self.bridge, "up")
+        mtu, shape = str(link_mtu(self.bits_per_s)), tbf_args(self.bits_per_s)
         for i, ns in enumerate(self.namespaces):
             host_end, ns_end = f"{self.tag}v{i}", f"{self.tag}n{i}"
             _ip("ip", "netns", "add", ns)
-            mtu = str(link_mtu(self.bits_per_s))
             _ip("ip", "link", "add", host_end, "mtu", mtu, "type", "veth", "peer", "name",
                 ns_end, "mtu", mtu)
             _ip("ip", "link", "set", ns_end, "netns", ns)
@@ -122,7 +122,6 @@ class EmulatedCluster:
             _ip("ip", "addr", "add", f"{self.addresses[i]}/16", "dev", ns_end, netns=ns)
             _ip("ip", "link", "set", ns_end, "up", netns=ns)
             _ip("ip", "link", "set", "lo", "up", netns=ns)
-            shape = tbf_args(self.bits_per_s)
             _ip("tc", "qdisc", "add", "dev", ns_end, "root", "tbf", *shape, netns=ns)  # sends
             _ip("tc", "qdisc", "add", "dev", host_end, "root", "tbf", *shape)          # receives
 

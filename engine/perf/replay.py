@@ -79,7 +79,7 @@ class ReplayDevice:
 
     def gemm(self, flops: float) -> None:
         """A product of ``flops`` (SFB's rebuild, on the communicator's thread)."""
-        sleep_until(time.perf_counter() + flops / self.device.gemm_flops_per_s * self.time_scale)
+        time.sleep(flops / self.device.gemm_flops_per_s * self.time_scale)
 
 
 class ReplayLayer:

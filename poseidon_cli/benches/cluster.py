@@ -15,9 +15,9 @@ the bottleneck. Times are reported divided by S. The model prices the update and
 on the same GPU, and what stays real and is not scaled (the sums of the shards and of the
 collectives, on this CPU and shared by 2P processes) at this machine's measured speed, and
 so the links' latency and the payload rate one TCP stream gets through the shaper (not the
-nominal rate: headers take ~5%, ~1% in the jumbo frames of a fast link). With real compute (``--compute real``) the update and the
-rebuild run on this CPU too, and the model prices them so. A run whose CPU was saturated is
-not a cluster measurement and is marked so.
+nominal rate: headers take ~5%, ~1% in the jumbo frames of a fast link). With real compute
+(``--compute real``) the update and the rebuild run on this CPU too, and the model prices
+them so. A run whose CPU was saturated is not a cluster measurement and is marked so.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -105,12 +105,10 @@ def cpu_device(processes: int) -> Device:
 def replayed_device(cpu: Device, time_scale: float) -> Device:
     """The model's device for a replayed run, in its real (stretched) time: the update and
     the rebuild the replayed GPU's (x ``time_scale``), the sums ``cpu``'s."""
-    gpu = REPLAYED
-    return Device(f"{gpu.name}, replayed x {time_scale:g}; sums on {cpu.name}",
-                  update_bytes_per_s=gpu.update_bytes_per_s / time_scale,
-                  update_passes=gpu.update_passes,
-                  gemm_flops_per_s=gpu.gemm_flops_per_s / time_scale,
-                  add_bytes_per_s=cpu.add_bytes_per_s, update_on_device=gpu.update_on_device)
+    return replace(REPLAYED, name=f"{REPLAYED.name}, replayed x {time_scale:g}; sums on "
+                   f"{cpu.name}", update_bytes_per_s=REPLAYED.update_bytes_per_s / time_scale,
+                   gemm_flops_per_s=REPLAYED.gemm_flops_per_s / time_scale,
+                   add_bytes_per_s=cpu.add_bytes_per_s)
 
 
 def _best(fn: Any, repeat: int = 5) -> float:
