@@ -480,7 +480,7 @@ def test_kill_9_of_a_gloo_worker_leaves_three_that_go_on_from_the_commit(jobs, d
     os.kill(victim, signal.SIGKILL)
     m = job.wait_for(LOST.format(rank=1, port=job.port(1)))
     commit = int(m.group(1))
-    assert job.finish() == 0, job.text()[-3000:]
+    assert job.finish() == 0, job.tail()
     assert not job.errors()
     # the second generation joined a Gloo group of its own three workers
     assert re.search(r"Collective engine gloo joined \(.*, 3 workers$", job.text(), re.M)

@@ -92,3 +92,52 @@ def test_a_worker_already_in_the_job_is_refused_naming_it():
     again = s.join(b"x", {"host": "127.0.0.1", "port": 1000, "machine": "m", "pid": 7}, 1.0)
     assert again == ("elastic driver at port 9000: a worker at 127.0.0.1:1000 is already in "
                      "this job")
+
+
+def test_a_first_generation_that_fails_before_any_commit_starts_again_naming_why():
+    """A member fails while the others join an engine (a wait bounded by the timeout that
+    may begin just after the end): they report late but in the window, hold no commit, and
+    the job starts again from its files; the failure is the cause the next line names."""
+    s, hooks, ws = state_of(3)
+    s.advance(1.0)
+    why = "worker 2 (127.0.0.1:1004): gloo: joining gloo failed: Connection reset by peer"
+    s.report(ws[2], {"gen": 1, "status": "failed", "commits": [], "iter": 0, "reason": why},
+             2.0)
+    assert s.gen.state == GenState.FAILED
+    s.advance(2.0 + 31.0)  # past the timeout, within the window: still waiting
+    assert s.gen.number == 1 and all(w.state == WorkerState.MEMBER for w in ws)
+    for w in ws[:2]:
+        s.report(w, {"gen": 1, "status": "failed", "commits": [], "iter": 0,
+                     "reason": "aborted"}, 34.0)
+    s.advance(34.0)
+    assert s.gen.number == 2 and s.gen.from_start and len(s.gen.seats) == 3
+    assert [f["source"] for _, f in hooks.of("assign")[-3:]] == ["start"] * 3
+    assert s.events.changes == [f"generation failed: {why}"]
+
+
+def test_a_member_that_beats_but_never_reports_is_lost_after_the_window():
+    s, hooks, ws = state_of(3)
+    s.advance(1.0)
+    s.report(ws[2], {"gen": 1, "status": "failed", "commits": [5], "iter": 7,
+                     "reason": "worker 2: boom"}, 2.0)
+    for w in ws[:1]:
+        s.report(w, {"gen": 1, "status": "failed", "commits": [5], "iter": 7,
+                     "reason": "aborted"}, 3.0)
+    s.advance(2.0 + 2 * 30.0 - 0.5)
+    assert s.gen.number == 1 and ws[1].state == WorkerState.MEMBER
+    s.advance(2.0 + 2 * 30.0 + 0.5)
+    assert ws[1].state == WorkerState.GONE and s.gen.number == 2 and s.gen.start == 5
+    assert s.events.changes == ["generation failed: worker 2: boom",
+                                "lost worker 1 (127.0.0.1:1002): did not report within 60 s "
+                                "after generation 1 ended"]
+
+
+def test_a_failure_after_a_commit_goes_on_from_it_not_from_the_start():
+    s, hooks, ws = state_of(2)
+    s.advance(1.0)
+    s.report(ws[0], {"gen": 1, "status": "failed", "commits": [], "iter": 0,
+                     "reason": "worker 0: boom"}, 2.0)
+    s.report(ws[1], {"gen": 1, "status": "failed", "commits": [0], "iter": 3,
+                     "reason": "aborted"}, 2.0)
+    s.advance(3.0)
+    assert s.done and "no commit in common" in s.failure and "worker 0: boom" in s.failure

@@ -37,6 +37,7 @@ K = 5
 #: machine takes 5-20 s; a test that waits for a line that never comes fails naming it
 LINE_S = 120.0
 ERROR = "poseidon: error: "
+WAITING = re.compile(r"waiting \d+ s for ")
 
 
 def tree(pid: int) -> list[int]:
@@ -85,6 +86,16 @@ class Job:
     def text(self) -> str:
         return self.log.read_text()
 
+    def tail(self, chars: int = 3000) -> str:
+        """The log's end for a failure's message: the repeated "waiting N s for" lines left
+        out (but the last three), so the line that names the cause stays in view."""
+        lines = self.text().splitlines()
+        waits = [i for i, line in enumerate(lines) if WAITING.search(line)][:-3]
+        skip = set(waits)
+        kept = [line for i, line in enumerate(lines) if i not in skip]
+        return (f"({len(skip)} waiting lines left out)\n" if skip else "") + \
+            "\n".join(kept)[-chars:]
+
     def wait_for(self, pattern: str, limit: float = LINE_S) -> re.Match:
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
@@ -95,7 +106,7 @@ class Job:
             if self.proc is not None and self.proc.poll() is not None:
                 break
             time.sleep(0.01)
-        raise AssertionError(f"{pattern!r} not seen in {self.log}:\n{self.text()[-3000:]}")
+        raise AssertionError(f"{pattern!r} not seen in {self.log}:\n{self.tail()}")
 
     def member(self, i: int, limit: float = LINE_S) -> int:
         """The pid of the worker listening at slot ``i``'s port (it binds it per generation)."""
@@ -105,7 +116,7 @@ class Job:
             if owner is not None:
                 return int(owner.split()[1])
             time.sleep(0.05)
-        raise AssertionError(f"nobody listens at port {self.port(i)}:\n{self.text()[-2000:]}")
+        raise AssertionError(f"nobody listens at port {self.port(i)}:\n{self.tail(2000)}")
 
     def finish(self, limit: float = 300.0) -> int:
         assert self.proc is not None
@@ -113,7 +124,7 @@ class Job:
             return self.proc.wait(limit)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"the job still runs after {limit:g} s:\n"
-                                 f"{self.text()[-3000:]}") from None
+                                 f"{self.tail()}") from None
 
     def _track(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -189,7 +200,7 @@ def test_kill_9_of_a_worker_leaves_three_that_go_on_from_the_commit(rank, jobs, 
     commit, first, reached, lost = (int(g) for g in m.groups()[:4])
     assert commit == first and commit % K == 0 and commit >= 2 * K
     assert 0 < lost == reached + 1 - commit <= K
-    assert job.finish() == 0, job.text()[-3000:]
+    assert job.finish() == 0, job.tail()
     assert not job.errors()
     after = job.text()[m.end():]
     assert f"Iteration {job.iters}, loss = " in after and "Optimization Done." in after
@@ -222,7 +233,7 @@ def stop(job: Job) -> int:
     iteration of that snapshot."""
     assert job.proc is not None
     os.kill(job.proc.pid, signal.SIGINT)
-    assert job.finish() == 0, job.text()[-3000:]
+    assert job.finish() == 0, job.tail()
     return int(re.findall(r"Snapshotting solver state to .*_iter_(\d+)\.solverstate",
                           job.text())[-1])
 
@@ -320,7 +331,7 @@ def test_a_flapping_worker_backs_off_then_is_excluded_and_the_job_goes_on(jobs, 
     excluded = rf"Elastic: worker at {re.escape(at)} excluded: it failed 2 times in a row"
     deadline = time.monotonic() + 4 * LINE_S
     while not re.search(excluded, job.text()):
-        assert time.monotonic() < deadline, job.text()[-3000:]
+        assert time.monotonic() < deadline, job.tail()
         owner = port_owner(job.port(3))
         if owner is not None:
             os.kill(int(owner.split()[1]), signal.SIGKILL)

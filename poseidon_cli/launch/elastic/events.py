@@ -41,6 +41,13 @@ class EventLog:
     def came(self, who: str, now: float) -> None:
         self._change("joined", f"{who} came", now)
 
+    def failed(self, why: str, now: float) -> None:
+        """A member failed and reported why (it stays a survivor): the cause of what follows,
+        named in the next generation's line or in the job's error, counted as no change."""
+        self.changes.append(f"generation failed: {why}")
+        if self.since is None:
+            self.since = now
+
     def note(self, line: str, excluded: bool = False, after_change: bool = False) -> None:
         """A line of its own (a worker backing off, or excluded); ``after_change``: it
         follows a change the next generation's line will name, and is said after that."""

@@ -92,6 +92,8 @@ class Generation:
     started: set[int] = field(default_factory=set)
     finished: set[int] = field(default_factory=set)
     plan: str = "?"
+    #: it started from the job's start (its files), not from a commit
+    from_start: bool = False
 
 
 class Hooks(Protocol):
@@ -116,6 +118,11 @@ class ElasticState:
     def __init__(self, settings: ElasticSettings, facts: BatchFacts, timeout: float,
                  events: EventLog, hooks: Hooks, port: int, source_name: str) -> None:
         self.settings, self.facts, self.timeout = settings, facts, timeout
+        #: how long a member whose heartbeats still come may take to report after its
+        #: generation ended: it may be inside a wait bounded by the timeout that began just
+        #: after the end (a Collective's join: a worker failed while the others joined), and
+        #: only then unwinds; one that is silent is lost by its heartbeats, not by this
+        self.report_window = 2 * timeout
         self.events, self.hooks, self.port = events, hooks, port
         self.source_name = source_name
         self.admission = Admission(settings.backoff_s, settings.max_failures)
@@ -174,7 +181,9 @@ class ElasticState:
             return
         assert g is not None
         if status == "failed" and g.state != GenState.FAILED:
-            self.fail_generation(msg["reason"] or f"{w.name} failed", now)
+            reason = msg["reason"] or f"{w.name} failed"
+            self.events.failed(reason, now)
+            self.fail_generation(reason, now)
         elif g.state == GenState.RUNNING:
             g.state, g.ended_at = GenState.ENDING, now
             self.events.since = self.events.since or now
@@ -335,11 +344,11 @@ class ElasticState:
             waiting = [w for w in self.member_workers(g) if w.state == WorkerState.MEMBER
                        and (w.report is None or w.report["gen"] != g.number)]
             if waiting:
-                if now - (g.ended_at or now) < self.timeout:
+                if now - (g.ended_at or now) < self.report_window:
                     return
                 for w in waiting:
-                    self.lose(w, f"did not report within {self.timeout:g} s after generation "
-                                 f"{g.number} ended", now)
+                    self.lose(w, f"did not report within {self.report_window:g} s after "
+                                 f"generation {g.number} ended", now)
         self.form(now)
 
     def form(self, now: float) -> None:
@@ -364,8 +373,13 @@ class ElasticState:
         try:
             commit = common_commit(seats, self.events.changes) if seats else None
         except CommError as e:
-            self.failure, self.done = str(e), True
-            return
+            if g is not None and g.from_start and not any(s.commits for s in seats):
+                # it failed before any worker held a commit: nothing was trained, so the
+                # survivors start again from the job's start (its files are still there)
+                commit = None
+            else:
+                self.failure, self.done = str(e), True
+                return
         joiners = self.joiners(now)
         candidates = seats + [Seat(w.wid, w.slot.host, w.slot.port, w.slot.machine)
                               for w in joiners]
@@ -415,7 +429,8 @@ class ElasticState:
                  + (f" x iter_size {iter_size}" if iter_size > 1 else "") + f" = {images}"
                  + (f", base_lr x {scale:.4g} (--elastic-lr linear)" if scale != 1 else ""))
         start = commit if commit is not None else 0
-        self.gen = Generation(number, chosen, start, batch, reached, now)
+        self.gen = Generation(number, chosen, start, batch, reached, now,
+                              from_start=commit is None)
         rows = [{"host": e.host, "port": e.port, "machine": e.machine,
                  "local_rank": e.local_rank} for e in entries]
         sources = ["start" if commit is None else "memory" if seat.commits else "peer"
