@@ -54,3 +54,20 @@ def compiled_kernels() -> None:
     from poseidon_cli.warming import warm_kernels
 
     warm_kernels(["float32"], lambda message: None, force=False)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files with slow tests (they start processes or train) first, then the rest by their
+    number of tests, most first. pytest-xdist hands out whole files (``--dist loadfile``) in
+    this order (``--no-loadscope-reorder``): the long files start early and the short ones
+    fill in at the end, so the workers finish together instead of one waiting while the
+    other runs a long file that came last."""
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+
+    def order(name: str) -> tuple[bool, int]:
+        tests = files[name]
+        return (not any(t.get_closest_marker("slow") for t in tests), -len(tests))
+
+    items[:] = [item for name in sorted(files, key=order) for item in files[name]]

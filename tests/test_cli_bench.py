@@ -16,6 +16,9 @@ from engine.comm.link import load_link
 from tests.test_cli_caffe_habits import run
 from tests.test_comm_train import digits_db, write_run  # noqa: F401
 
+#: it starts processes or trains: its file starts first (tests/conftest.py)
+pytestmark = pytest.mark.slow
+
 
 def test_bench_lists_its_subcommands():
     done = run("bench", "--help")

@@ -8,6 +8,9 @@ import pytest
 
 from tests.test_cli_caffe_habits import run
 
+#: it starts processes or trains: its file starts first (tests/conftest.py)
+pytestmark = pytest.mark.slow
+
 S4 = "models/vgg19_22k_s4/train_val.prototxt"
 
 

@@ -41,6 +41,9 @@ from tests.test_comm_train import (BOUND, ITERS, ROOT, digits_db, lenet_net,  # 
 from tests.test_elastic_train import LOST, K, Job, jobs, resumed_reference, tree  # noqa: F401
 from tests.conftest import shared_path
 
+#: it starts processes or trains: its file starts first (tests/conftest.py)
+pytestmark = pytest.mark.slow
+
 WORKERS = 3
 BATCH = 10  # per worker; one worker trains with 30
 GLOO = GlooBackend.missing(False)

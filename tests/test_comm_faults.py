@@ -18,6 +18,9 @@ import pytest
 from engine.comm.auth import KEY_ENV
 from tests.test_comm_train import ROOT, digits_db, write_hosts, write_run  # noqa: F401
 
+#: it starts processes or trains: its file starts first (tests/conftest.py)
+pytestmark = pytest.mark.slow
+
 TIMEOUT = 3.0
 #: a liveness bound, not a speed claim: detection after TIMEOUT, then EXIT_GRACE_S for a busy
 #: process, with a wide margin for a machine loaded by other work (an error that waited for

@@ -17,6 +17,9 @@ from tests.test_comm_faults import children, kill_all, wait_for_line
 from tests.test_comm_train import (ROOT, digits_db, digits_net, poseidon, weights,  # noqa: F401
                                    write_hosts, write_run)
 
+#: it starts processes or trains: its file starts first (tests/conftest.py)
+pytestmark = pytest.mark.slow
+
 
 def train(*args: str) -> str:
     """A 2-worker (or more) run that must succeed; its log."""

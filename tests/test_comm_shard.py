@@ -29,6 +29,9 @@ from poseidon_cli.launch.shard import ShardSettings, read_settings
 from tests.test_comm_train import digits_db, poseidon, weights, write_hosts, write_run  # noqa: F401
 from tests.test_comm_transport import KEY, local_hosts
 
+#: it starts processes or trains: its file starts first (tests/conftest.py)
+pytestmark = pytest.mark.slow
+
 
 def _layout(counts, dtype="<f4", chunk_bytes=4096):
     return make_layout([PSParam(i, 10 + i, n, dtype) for i, n in enumerate(counts)], 1,

@@ -40,6 +40,9 @@ from engine.pb import poseidon_pb2 as pb
 from poseidon_cli.launch.hostfile import free_base_port
 from tests.conftest import shared_path
 
+#: it starts processes or trains: its file starts first (tests/conftest.py)
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 TOTAL_BATCH = 32
 ITERS = 20

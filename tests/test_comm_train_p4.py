@@ -11,6 +11,9 @@ from tests.test_comm_train import (  # noqa: F401
     reference,
 )
 
+#: it starts processes or trains: its file starts first (tests/conftest.py)
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("comm", ["ps", "sfb", "hybrid", "ring", "hd"])
 def test_four_workers_equal_one_worker_with_four_times_the_batch(comm, net_case, reference,  # noqa: F811

@@ -32,6 +32,9 @@ from poseidon_cli.launch.hostfile import free_base_port
 from tests.test_comm_faults import alive, children
 from tests.test_comm_train import ROOT, digits_db, poseidon, weights, write_run  # noqa: F401
 
+#: it starts processes or trains: its file starts first (tests/conftest.py)
+pytestmark = pytest.mark.slow
+
 K = 5
 #: a liveness bound for each awaited line: start-up of 4-5 processes on a busy 2-core
 #: machine takes 5-20 s; a test that waits for a line that never comes fails naming it

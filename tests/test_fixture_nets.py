@@ -16,6 +16,9 @@ from engine.net import Net
 from engine.pb import caffe_pb2
 from tests.conftest import SHARED, shared_path
 
+#: it starts processes or trains: its file starts first (tests/conftest.py)
+pytestmark = pytest.mark.slow
+
 FIXTURES = SHARED / "fixtures" / "prototxt"
 NETS = sorted(p.name for p in FIXTURES.glob("*.prototxt") if "solver" not in p.name) \
     if FIXTURES.is_dir() else ["(fixtures absent)"]

@@ -35,6 +35,9 @@ from tests.test_comm_faults import (
 )
 from tests.test_comm_train import ROOT, digits_db, poseidon, weights, write_run  # noqa: F401
 
+#: it starts processes or trains: its file starts first (tests/conftest.py)
+pytestmark = pytest.mark.slow
+
 ITERS = 4
 BATCH = 8  # per worker
 KEY = "cd" * 32
