@@ -73,6 +73,18 @@ def test_a_lost_member_fails_the_generation_and_the_next_goes_on_from_the_common
     assert [f["rank"] for _, f in hooks.of("assign")[-2:]] == [0, 1]
     # what the generation's line will say, once its workers have met
     assert s.events.changes == ["lost worker 1 (127.0.0.1:1002): killed by signal 9"]
+    assert s.events.causes == s.events.changes
+
+
+def test_a_loss_seen_after_the_failure_it_caused_is_the_cause_named():
+    """kill -9 breaks the survivors' collective; one may report that before the victim's
+    exit is seen: the line names the kill, not the broken connection."""
+    s, hooks, ws = state_of(3)
+    s.advance(1.0)
+    s.report(ws[2], {"gen": 1, "status": "failed", "commits": [10], "iter": 12,
+                     "reason": "worker 2: gloo: Connection reset by peer"}, 2.0)
+    s.lose(ws[1], "killed by signal 9", 2.1)
+    assert s.events.causes == ["lost worker 1 (127.0.0.1:1002): killed by signal 9"]
 
 
 def test_the_first_question_at_a_commit_fixes_the_answer_for_all():
@@ -112,7 +124,7 @@ def test_a_first_generation_that_fails_before_any_commit_starts_again_naming_why
     s.advance(34.0)
     assert s.gen.number == 2 and s.gen.from_start and len(s.gen.seats) == 3
     assert [f["source"] for _, f in hooks.of("assign")[-3:]] == ["start"] * 3
-    assert s.events.changes == [f"generation failed: {why}"]
+    assert s.events.causes == [f"generation failed: {why}"]
 
 
 def test_a_member_that_beats_but_never_reports_is_lost_after_the_window():
@@ -127,9 +139,9 @@ def test_a_member_that_beats_but_never_reports_is_lost_after_the_window():
     assert s.gen.number == 1 and ws[1].state == WorkerState.MEMBER
     s.advance(2.0 + 2 * 30.0 + 0.5)
     assert ws[1].state == WorkerState.GONE and s.gen.number == 2 and s.gen.start == 5
-    assert s.events.changes == ["generation failed: worker 2: boom",
-                                "lost worker 1 (127.0.0.1:1002): did not report within 60 s "
-                                "after generation 1 ended"]
+    assert s.events.causes == ["generation failed: worker 2: boom",
+                               "lost worker 1 (127.0.0.1:1002): did not report within 60 s "
+                               "after generation 1 ended"]
 
 
 def test_a_failure_after_a_commit_goes_on_from_it_not_from_the_start():

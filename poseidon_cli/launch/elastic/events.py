@@ -23,6 +23,10 @@ class EventLog:
         "iterations_lost": 0})
     recoveries_s: list[float] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
+    #: the first failure a member of the ending generation reported
+    failure: str = ""
+    #: how many of the changes are losses that another event caused
+    consequences: int = 0
     #: notes that came while a change was pending: said after the line that names the change
     deferred: list[str] = field(default_factory=list)
 
@@ -32,7 +36,11 @@ class EventLog:
         if self.since is None:
             self.since = now
 
-    def lost(self, who: str, why: str, now: float) -> None:
+    def lost(self, who: str, why: str, now: float, consequence: bool = False) -> None:
+        """``consequence``: lost because the generation had ended and it did not report,
+        which some other event caused."""
+        if consequence:
+            self.consequences += 1
         self._change("lost", f"lost {who}: {why}", now)
 
     def left(self, who: str, why: str, now: float) -> None:
@@ -42,11 +50,21 @@ class EventLog:
         self._change("joined", f"{who} came", now)
 
     def failed(self, why: str, now: float) -> None:
-        """A member failed and reported why (it stays a survivor): the cause of what follows,
-        named in the next generation's line or in the job's error, counted as no change."""
-        self.changes.append(f"generation failed: {why}")
+        """A member failed and reported why (it stays a survivor; no change is counted). A
+        loss explains such a failure (the survivors' collectives break when a worker is
+        killed, and may report before its exit is seen), so the first reason is named only
+        where every change is a consequence: a generation that failed by itself."""
+        self.failure = self.failure or f"generation failed: {why}"
         if self.since is None:
             self.since = now
+
+    @property
+    def causes(self) -> list[str]:
+        """Why the current generation ends: its changes, the failure a member reported
+        first where no change but consequences explains it."""
+        if self.consequences < len(self.changes) or not self.failure:
+            return self.changes
+        return [self.failure, *self.changes]
 
     def note(self, line: str, excluded: bool = False, after_change: bool = False) -> None:
         """A line of its own (a worker backing off, or excluded); ``after_change``: it
@@ -73,7 +91,7 @@ class EventLog:
         if number == 1:
             self.say(f"Elastic generation 1: {workers} workers from iteration {start}; {batch}; "
                      f"plan: {plan}")
-            self.changes, self.since = [], None
+            self.changes, self.since, self.failure, self.consequences = [], None, "", 0
             self._flush()
             return
         seconds = now - (self.since if self.since is not None else now)
@@ -81,14 +99,14 @@ class EventLog:
         self.recoveries_s.append(seconds)
         redo = (f"iterations {start}..{reached - 1} done again: {lost} lost" if lost else
                 "nothing lost")
-        what = "; ".join(self.changes) or "the generation ended"
+        what = "; ".join(self.causes) or "the generation ended"
         line = (f"{what}. Generation {number}: {workers} workers from commit {start} ({redo}), "
                 f"in {seconds:.2f} s; {batch}; plan: {plan}")
         self.events.append({"generation": number, "workers": workers, "commit": start,
                             "iterations_lost": lost, "recovery_s": round(seconds, 3),
-                            "changes": self.changes})
+                            "changes": self.causes})
         self.say(f"Elastic: {line}")
-        self.changes, self.since = [], None
+        self.changes, self.since, self.failure, self.consequences = [], None, "", 0
         self._flush()
 
     def summary(self) -> str:

@@ -250,13 +250,14 @@ class ElasticState:
             forwarded.discard("snapshot")
 
     # ------------------------------------------------------------------ losing workers
-    def lose(self, w: Worker, reason: str, now: float) -> None:
-        """``w`` is gone: stop its process, charge its slot, fail its generation."""
+    def lose(self, w: Worker, reason: str, now: float, consequence: bool = False) -> None:
+        """``w`` is gone: stop its process, charge its slot, fail its generation.
+        ``consequence``: another event ended the generation first (events.py)."""
         if not w.active:
             return
         w.state = WorkerState.GONE
         self.hooks.kill(w)
-        self.events.lost(w.name, reason, now)
+        self.events.lost(w.name, reason, now, consequence)
         g = self.gen
         member = g is not None and any(s.wid == w.wid for s in g.seats)
         self.charge(w.slot, now, after_change=member)
@@ -348,7 +349,7 @@ class ElasticState:
                     return
                 for w in waiting:
                     self.lose(w, f"did not report within {self.report_window:g} s after "
-                                 f"generation {g.number} ended", now)
+                                 f"generation {g.number} ended", now, consequence=True)
         self.form(now)
 
     def form(self, now: float) -> None:
@@ -365,13 +366,13 @@ class ElasticState:
                       tuple(w.report["commits"]) if w.report else ()) for w in survivors]
         if g is not None and not seats:
             self.failure = (f"elastic: every worker of generation {g.number} is gone ("
-                            + "; ".join(self.events.changes or ["none left"])
+                            + "; ".join(self.events.causes or ["none left"])
                             + f"): nothing of the job's state is left in memory; the newest "
                             f"snapshot on disk: {self.hooks.newest_snapshot()}")
             self.done = True
             return
         try:
-            commit = common_commit(seats, self.events.changes) if seats else None
+            commit = common_commit(seats, self.events.causes) if seats else None
         except CommError as e:
             if g is not None and g.from_start and not any(s.commits for s in seats):
                 # it failed before any worker held a commit: nothing was trained, so the
@@ -402,7 +403,7 @@ class ElasticState:
         self.assign(candidates[:workers], commit, iter_size, now)
 
     def give_up(self, why: str, seats: list[Seat], commit: int | None, now: float) -> None:
-        missing = "; ".join(self.events.changes) or "no worker came"
+        missing = "; ".join(self.events.causes) or "no worker came"
         line = f"elastic: {why} ({missing})"
         if commit is None:
             self.failure = f"{line}; the newest snapshot on disk: {self.hooks.newest_snapshot()}"
