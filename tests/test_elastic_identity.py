@@ -51,9 +51,9 @@ class Harness:
         self.lost: dict[str, tuple[float, str]] = {}
         lost = self.driver.events.lost
 
-        def record(who: str, why: str, now: float) -> None:
+        def record(who: str, why: str, now: float, consequence: bool = False) -> None:
             self.lost[who] = (time.monotonic(), why)
-            lost(who, why, now)
+            lost(who, why, now, consequence=consequence)
         self.driver.events.lost = record
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)

@@ -257,7 +257,7 @@ class ElasticState:
             return
         w.state = WorkerState.GONE
         self.hooks.kill(w)
-        self.events.lost(w.name, reason, now, consequence)
+        self.events.lost(w.name, reason, now, consequence=consequence)
         g = self.gen
         member = g is not None and any(s.wid == w.wid for s in g.seats)
         self.charge(w.slot, now, after_change=member)
