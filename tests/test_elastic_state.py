@@ -153,3 +153,22 @@ def test_a_failure_after_a_commit_goes_on_from_it_not_from_the_start():
                      "reason": "aborted"}, 2.0)
     s.advance(3.0)
     assert s.done and "no commit in common" in s.failure and "worker 0: boom" in s.failure
+
+
+def test_starting_again_from_the_start_is_bounded_by_max_failures():
+    """A job whose workers fail every time they meet starts again at most --max-failures (3)
+    times, then stops naming the failure."""
+    s, hooks, ws = state_of(2)
+    now = 1.0
+    s.advance(now)
+    for attempt in range(4):
+        number = s.gen.number
+        for w in ws:
+            now += 1.0
+            s.report(w, {"gen": number, "status": "failed", "commits": [], "iter": 0,
+                         "reason": "worker 0: gloo: joining gloo failed: boom"}, now)
+        s.advance(now)
+        if attempt < 3:
+            assert s.gen.number == number + 1 and s.gen.from_start and not s.done
+    assert s.done and s.restarts == 3
+    assert "no commit in common" in s.failure and "joining gloo failed: boom" in s.failure

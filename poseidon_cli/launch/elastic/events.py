@@ -77,7 +77,9 @@ class EventLog:
             return
         self.say(f"Elastic: {line}")
 
-    def _flush(self) -> None:
+    def _formed(self) -> None:
+        """A generation formed: what led to it is said; the notes that waited follow."""
+        self.changes, self.since, self.failure, self.consequences = [], None, "", 0
         for line in self.deferred:
             self.say(f"Elastic: {line}")
         self.deferred = []
@@ -91,8 +93,7 @@ class EventLog:
         if number == 1:
             self.say(f"Elastic generation 1: {workers} workers from iteration {start}; {batch}; "
                      f"plan: {plan}")
-            self.changes, self.since, self.failure, self.consequences = [], None, "", 0
-            self._flush()
+            self._formed()
             return
         seconds = now - (self.since if self.since is not None else now)
         self.counts["iterations_lost"] += lost
@@ -106,8 +107,7 @@ class EventLog:
                             "iterations_lost": lost, "recovery_s": round(seconds, 3),
                             "changes": self.causes})
         self.say(f"Elastic: {line}")
-        self.changes, self.since, self.failure, self.consequences = [], None, "", 0
-        self._flush()
+        self._formed()
 
     def summary(self) -> str:
         """The job's membership in one line, for its end."""

@@ -123,6 +123,8 @@ class ElasticState:
         #: after the end (a Collective's join: a worker failed while the others joined), and
         #: only then unwinds; one that is silent is lost by its heartbeats, not by this
         self.report_window = 2 * timeout
+        #: generations started again from the job's start, having failed before any commit
+        self.restarts = 0
         self.events, self.hooks, self.port = events, hooks, port
         self.source_name = source_name
         self.admission = Admission(settings.backoff_s, settings.max_failures)
@@ -374,9 +376,12 @@ class ElasticState:
         try:
             commit = common_commit(seats, self.events.causes) if seats else None
         except CommError as e:
-            if g is not None and g.from_start and not any(s.commits for s in seats):
+            if g is not None and g.from_start and not any(s.commits for s in seats) \
+                    and self.restarts < self.settings.max_failures:
                 # it failed before any worker held a commit: nothing was trained, so the
-                # survivors start again from the job's start (its files are still there)
+                # survivors start again from the job's start (its files are still there), as
+                # often as a worker may fail in a row before it is excluded
+                self.restarts += 1
                 commit = None
             else:
                 self.failure, self.done = str(e), True
