@@ -2,6 +2,7 @@
 socket, no process; its hooks record what the driver would send and kill."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from poseidon_cli.launch.elastic.events import EventLog
@@ -172,3 +173,18 @@ def test_starting_again_from_the_start_is_bounded_by_max_failures():
             assert s.gen.number == number + 1 and s.gen.from_start and not s.done
     assert s.done and s.restarts == 3
     assert "no commit in common" in s.failure and "joining gloo failed: boom" in s.failure
+
+
+def test_max_failures_0_starts_again_without_limit():
+    s, hooks, ws = state_of(2)
+    s.settings = dataclasses.replace(s.settings, max_failures=0)
+    now = 1.0
+    s.advance(now)
+    for _ in range(5):
+        number = s.gen.number
+        for w in ws:
+            now += 1.0
+            s.report(w, {"gen": number, "status": "failed", "commits": [], "iter": 0,
+                         "reason": "boom"}, now)
+        s.advance(now)
+        assert s.gen.number == number + 1 and not s.done

@@ -376,11 +376,12 @@ class ElasticState:
         try:
             commit = common_commit(seats, self.events.causes) if seats else None
         except CommError as e:
+            limit = self.settings.max_failures
             if g is not None and g.from_start and not any(s.commits for s in seats) \
-                    and self.restarts < self.settings.max_failures:
+                    and (limit == 0 or self.restarts < limit):
                 # it failed before any worker held a commit: nothing was trained, so the
                 # survivors start again from the job's start (its files are still there), as
-                # often as a worker may fail in a row before it is excluded
+                # often as a worker may fail in a row before it is excluded (0: no limit)
                 self.restarts += 1
                 commit = None
             else:

@@ -56,8 +56,9 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
                           "before it may join again (doubling while it keeps failing).")),
     (("--max-failures",), dict(type=click.IntRange(min=0), default=DEFAULT_MAX_FAILURES,
                                show_default=True, help="--elastic: failures in a row, each "
-                               "before the job could commit with it, that exclude a worker "
-                               "(0: never).")),
+                               "before the job could commit with it, that exclude a worker; "
+                               "and the times a job whose workers fail as they meet starts "
+                               "again (0: no limit).")),
     (("--rendezvous",), dict(default=None, metavar="HOST:PORT", help="--elastic: join the "
      "driver at HOST:PORT as a worker (started by hand, srun, a pod).")),
     (("--rendezvous-port",), dict(type=click.IntRange(0, 65535), default=0, help="--elastic: "
