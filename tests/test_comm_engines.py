@@ -354,10 +354,15 @@ def run(args: list[str], launcher: list[str] = (), timeout: float = 240,
                           env={**os.environ, **(env or {})})
 
 
+def said(done: subprocess.CompletedProcess) -> str:
+    """A run's output for a failure's message: its log, then the launcher's own lines
+    (mpiexec names a rank that died on its standard output)."""
+    return done.stderr[-3000:] + done.stdout[-2000:]
+
+
 def check_equals_reference(d: Path, reference: dict[str, np.ndarray], engine_name: str,
                            done: subprocess.CompletedProcess) -> None:
-    # the launcher's own lines (mpiexec names a rank that died) are on its standard output
-    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-2000:]
+    assert done.returncode == 0, said(done)
     got = weights(d / f"dist_iter_{ITERS}.caffemodel")
     worst = max(relative_distance(got, reference).items(), key=lambda kv: kv[1])
     assert worst[1] <= BOUND, worst
@@ -393,7 +398,7 @@ def test_three_mpi_workers_equal_one_worker_with_three_times_the_batch(lenet_db,
     # a rerun on the plan the first run wrote gives the same bits (the algorithm is pinned)
     again = run([*args, "--plan", str(tmp_path / "dist_plan.prototxt")],
                 [MPIEXEC, "-n", str(WORKERS)], env=key)
-    assert again.returncode == 0, again.stderr[-3000:] + again.stdout[-2000:]  # mpiexec's own
+    assert again.returncode == 0, said(again)
     assert "(pinned by --plan" in again.stderr
     second = weights(tmp_path / f"dist_iter_{ITERS}.caffemodel")
     assert all(np.array_equal(first[k], second[k]) for k in first)

@@ -156,19 +156,22 @@ def test_a_failure_after_a_commit_goes_on_from_it_not_from_the_start():
     assert s.done and "no commit in common" in s.failure and "worker 0: boom" in s.failure
 
 
+def fail_as_they_meet(s: ElasticState, ws: list[Worker], now: float, why: str) -> None:
+    """Every member of the current generation reports it failed before any commit."""
+    for w in ws:
+        s.report(w, {"gen": s.gen.number, "status": "failed", "commits": [], "iter": 0,
+                     "reason": why}, now)
+    s.advance(now)
+
+
 def test_starting_again_from_the_start_is_bounded_by_max_failures():
     """A job whose workers fail every time they meet starts again at most --max-failures (3)
     times, then stops naming the failure."""
     s, hooks, ws = state_of(2)
-    now = 1.0
-    s.advance(now)
+    s.advance(1.0)
     for attempt in range(4):
         number = s.gen.number
-        for w in ws:
-            now += 1.0
-            s.report(w, {"gen": number, "status": "failed", "commits": [], "iter": 0,
-                         "reason": "worker 0: gloo: joining gloo failed: boom"}, now)
-        s.advance(now)
+        fail_as_they_meet(s, ws, 2.0 + attempt, "worker 0: gloo: joining gloo failed: boom")
         if attempt < 3:
             assert s.gen.number == number + 1 and s.gen.from_start and not s.done
     assert s.done and s.restarts == 3
@@ -178,13 +181,8 @@ def test_starting_again_from_the_start_is_bounded_by_max_failures():
 def test_max_failures_0_starts_again_without_limit():
     s, hooks, ws = state_of(2)
     s.settings = dataclasses.replace(s.settings, max_failures=0)
-    now = 1.0
-    s.advance(now)
-    for _ in range(5):
+    s.advance(1.0)
+    for attempt in range(5):
         number = s.gen.number
-        for w in ws:
-            now += 1.0
-            s.report(w, {"gen": number, "status": "failed", "commits": [], "iter": 0,
-                         "reason": "boom"}, now)
-        s.advance(now)
+        fail_as_they_meet(s, ws, 2.0 + attempt, "boom")
         assert s.gen.number == number + 1 and not s.done

@@ -93,8 +93,7 @@ class Job:
         """The log's end for a failure's message: the repeated "waiting N s for" lines left
         out (but the last three), so the line that names the cause stays in view."""
         lines = self.text().splitlines()
-        waits = [i for i, line in enumerate(lines) if WAITING.search(line)][:-3]
-        skip = set(waits)
+        skip = set([i for i, line in enumerate(lines) if WAITING.search(line)][:-3])
         kept = [line for i, line in enumerate(lines) if i not in skip]
         return (f"({len(skip)} waiting lines left out)\n" if skip else "") + \
             "\n".join(kept)[-chars:]

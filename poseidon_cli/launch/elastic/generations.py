@@ -377,7 +377,7 @@ class ElasticState:
             commit = common_commit(seats, self.events.causes) if seats else None
         except CommError as e:
             limit = self.settings.max_failures
-            if g is not None and g.from_start and not any(s.commits for s in seats) \
+            if g is not None and g.from_start and not any(seat.commits for seat in seats) \
                     and (limit == 0 or self.restarts < limit):
                 # it failed before any worker held a commit: nothing was trained, so the
                 # survivors start again from the job's start (its files are still there), as
