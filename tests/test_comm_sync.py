@@ -76,7 +76,9 @@ def _layout(world: int, chunk_bytes: int, scheme: str = "ps"):
     return make_layout(unit_vectors(units, Codec().vectors, "<f4"), world, chunk_bytes)
 
 
-def worker_main(rank, hosts, scheme, rounds, chunk_bytes, backward_s, out):
+def worker_main(rank, hosts, scheme, rounds, chunk_bytes, backward_s, out, gate=None):
+    """One worker's rounds. With ``gate``, rank 1 releases its last round only after rank 0
+    released its own and noted how many rounds it had applied then (``rounds_applied``)."""
     try:
         blobs = _blobs()
         state = {}
@@ -99,20 +101,28 @@ def worker_main(rank, hosts, scheme, rounds, chunk_bytes, backward_s, out):
         ep = open_worker(rank, hosts, key=KEY, timeout=10)
         sync = Syncer(ep, layers, update, chunk_bytes=chunk_bytes,
                       planner=lambda link, local_link, engines: _plan(len(hosts), scheme, chunk_bytes, link))
+        applied = None
         for rnd in range(rounds):
             for layer in blobs:                        # forward: per-layer wait
                 sync.wait(layer)
             g = _grads(rank, rnd)
             state.update(g)
+            if gate is not None and rank == 1 and rnd == rounds - 1:
+                assert gate.wait(30), "rank 0 never released its last round"
             for layer in sorted(blobs, reverse=True):  # backward: release as soon as ready
                 time.sleep(backward_s)
                 for b, d in zip(blobs[layer], g[layer]):
                     b.diff[...] = d
                 sync.release(layer)
+            if gate is not None and rank == 0 and rnd == rounds - 1:
+                time.sleep(0.2)  # were it wrong, a round could be counted in this time
+                applied = sync.rounds_applied()
+                gate.set()
         sync.wait_all()
+        done = sync.rounds_applied()
         sync.close()
         out.put((rank, {k: [b.data.copy() for b in v] for k, v in blobs.items()},
-                 ep.stats.summary(), None))
+                 {**ep.stats.summary(), "applied": (applied, done)}, None))
     except Exception as e:  # report, the parent asserts
         out.put((rank, None, None, f"{type(e).__name__}: {e}"))
 
@@ -128,13 +138,14 @@ def shard_main(index, hosts, out):
         out.put((f"shard{index}", None, None, f"{type(e).__name__}: {e}"))
 
 
-def run_cluster(world, scheme, rounds=3, chunk_bytes=64, backward_s=0.0):
+def run_cluster(world, scheme, rounds=3, chunk_bytes=64, backward_s=0.0, gated=False):
     ctx = mp.get_context("spawn")
     hosts = local_hosts(world)
     out = ctx.Queue()
+    gate = ctx.Event() if gated else None
     procs = [ctx.Process(target=shard_main, args=(s, hosts, out)) for s in range(world)]
     procs += [ctx.Process(target=worker_main, args=(r, hosts, scheme, rounds, chunk_bytes,
-                                                    backward_s, out)) for r in range(world)]
+                                                    backward_s, out, gate)) for r in range(world)]
     try:
         for p in procs:
             p.start()
@@ -176,6 +187,21 @@ def test_mean_gradient_is_exact_and_replicas_bit_identical(world, scheme):
             np.testing.assert_allclose(ref[layer][j], w, rtol=1e-5, atol=1e-5)
             for r in range(1, world):
                 assert np.array_equal(res[r][0][layer][j], ref[layer][j]), (r, layer, j)
+
+
+@pytest.mark.parametrize("scheme", ["ps", "sfb"])
+def test_rounds_applied_counts_a_round_only_once_every_peer_sent_it(scheme):
+    """A worker that released round R while a peer has not is one round ahead of what it
+    completed: elastic reports the iteration reached by ``rounds_applied``, not by the
+    solver's counter (a kill that left one survivor a round ahead counted it as done)."""
+    rounds = 3
+    res = run_cluster(2, scheme, rounds, gated=True)
+    assert res[0][1]["applied"] == (rounds - 1, rounds)
+    assert res[1][1]["applied"] == (None, rounds)
+    want = expected_params(2, rounds)
+    for layer, arrs in want.items():
+        for j, w in enumerate(arrs):
+            np.testing.assert_allclose(res[0][0][layer][j], w, rtol=1e-5, atol=1e-5)
 
 
 def test_byte_counters_equal_the_cost_model():

@@ -275,6 +275,12 @@ class Syncer:
         for layer in self.layers:
             self.wait(layer)
 
+    def rounds_applied(self) -> int:
+        """How many rounds every layer has applied: the iterations this worker completed. A
+        worker's iteration counter runs one ahead of it while the last round is in flight."""
+        with self._cond:
+            return min(self._applied.values(), default=0)
+
     def request(self, action: str) -> None:
         """A signal asked this worker for ``action`` ('snapshot', 'stop' or 'leave'): tell
         every worker through the next round's messages. Called from a signal handler, which

@@ -92,6 +92,12 @@ class ElasticSync:
     def momentum_layers(self) -> list[int]:
         return self.inner.momentum_layers
 
+    def iterations_done(self) -> int:
+        """The iteration this worker reached: every update before it applied. A worker whose
+        generation fails while iteration i's updates are in flight has its counter at i + 1
+        but completed only i (a lost peer may have sent the update to it and not to others)."""
+        return self.start + self.inner.rounds_applied()
+
     def take_request(self) -> str | None:
         """The Solver's action at this boundary: 'stop' (the job's), 'end' (the generation
         ends here: a regroup or a leave), 'snapshot', or None."""

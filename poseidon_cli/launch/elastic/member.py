@@ -186,7 +186,9 @@ class Member:
             glog.set_enabled(rank == 0)
             glog.info(f"Generation {gen} ended here: {e}. The elastic driver goes on from "
                       "the newest commit every survivor holds: nothing to do by hand")
-            return "failed", solver.iter if solver is not None else 0, str(e)
+            reached = (self.sync.iterations_done() if self.sync is not None else
+                       solver.iter if solver is not None else 0)
+            return "failed", reached, str(e)
         finally:
             self.sync = None
             self.client.unwatch()
