@@ -276,8 +276,7 @@ class Syncer:
             self.wait(layer)
 
     def rounds_applied(self) -> int:
-        """How many rounds every layer has applied: the iterations this worker completed. A
-        worker's iteration counter runs one ahead of it while the last round is in flight."""
+        """Rounds every layer has applied (the iteration counter runs one ahead meanwhile)."""
         with self._cond:
             return min(self._applied.values(), default=0)
 
