@@ -147,10 +147,12 @@ class _Recorder(Backend):
     def __init__(self, setup, rank, world, address, timeout) -> None:
         self.order: list[int] = []
         self.threads: set[str] = {threading.current_thread().name}
+        self.ran_on: dict[int, str] = {}
 
     def start(self, vec):
         self.threads.add(threading.current_thread().name)
         self.order.append(int(vec[0]))
+        self.ran_on[int(vec[0])] = threading.current_thread().name
         return None
 
     def then(self, handle, done) -> bool:
@@ -174,6 +176,37 @@ def test_ops_are_issued_in_the_one_order_whatever_order_they_come_in(backend):
         assert c.backend.order == [0, 1, 2, 3, 4, 5]
         # a blocking engine's ops are issued by its engine thread, which also joined it
         assert (c.backend.threads == {"poseidon-recorder"}) == backend.blocking
+    finally:
+        c.close()
+
+
+class _InlineRecorder(_BlockingRecorder):
+    inline_bytes = 64
+
+    def then(self, handle, done) -> bool:
+        done(None)  # as MPI's: complete when start returns
+        return True
+
+
+def test_a_blocking_engines_small_op_in_its_turn_is_summed_by_the_thread_that_submits_it():
+    """MPI's small layers are summed at release, on the training thread (no hand-off to the
+    engine thread and back); a large op, or one that comes before its turn, goes to the
+    engine thread; the one order holds either way."""
+    c = Collective(_InlineRecorder, b"", 0, 2, "127.0.0.1", 5.0, lambda why: None)
+    me = threading.current_thread().name
+    try:
+        done = threading.Semaphore(0)
+        c.submit(0, np.array([0]), done.release, "small, in turn")
+        assert done.acquire(timeout=0)  # complete when submit returns
+        c.submit(1, np.full(100, 1), done.release, "large")
+        assert done.acquire(timeout=5)
+        c.submit(3, np.array([3]), done.release, "small, before its turn")
+        c.submit(2, np.array([2]), done.release, "small, in turn")
+        for _ in range(2):
+            assert done.acquire(timeout=5)
+        assert c.backend.order == [0, 1, 2, 3]
+        assert (c.backend.ran_on[0], c.backend.ran_on[1], c.backend.ran_on[2]) == \
+            (me, "poseidon-recorder", me)
     finally:
         c.close()
 

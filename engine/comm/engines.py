@@ -8,8 +8,9 @@ engine/comm/schemes/collective.py, and its backends gloo.py, mpi.py and nccl.py)
   order they are issued, so every worker must issue the same ones in the same order: each op
   has a number in the job's one order, and an op that comes before its turn waits for the
   ones before it. A blocking engine's ops (MPI) are issued by the collective's *engine
-  thread*, which also joins, probes and leaves; another's by whichever thread submits an op
-  in its turn (a hand-off at every release costs a scheduling delay where backward keeps the
+  thread*, which also joins, probes and leaves (a small op whose turn it is, while that
+  thread is idle, by the thread that submits it: ``Backend.inline_bytes``); another's by
+  whichever thread submits an op in its turn (a hand-off at every release costs a scheduling delay where backward keeps the
   cores busy). Completions are reported by the engine's own thread (Gloo's future, MPI's
   engine thread) or, for an engine that cannot call back (NCCL's stream event), by a wait
   thread that waits for each op in turn.
@@ -78,6 +79,10 @@ class Backend(ABC):
     #: ``start`` returns only once the sum is complete (MPI's blocking collectives): ops are
     #: issued from the engine thread; else from whichever thread submits the op in turn
     blocking: ClassVar[bool] = False
+    #: a blocking engine's op of at most this many bytes is issued by the thread that submits
+    #: it, when it is its turn and the engine thread is idle: a small sum blocks backward for
+    #: less than the hand-off to the engine thread and back would cost (0: never)
+    inline_bytes: ClassVar[int] = 0
 
     @classmethod
     @abstractmethod
@@ -182,11 +187,19 @@ class Collective:
 
     def submit(self, seq: int, vec: Any, done: Callable[[], None], what: str) -> None:
         """Allreduce ``vec`` in place as operation ``seq`` of the job's one order (0, 1, 2,
-        ...); ``done()`` once complete (on an engine's thread). A blocking engine's ops go
-        to the engine thread; another's are issued here when it is their turn (a thread
-        hand-off at every release costs a scheduling delay where the cores are busy with
-        backward), else by the op before them."""
+        ...); ``done()`` once complete (on an engine's thread, or on this one). A blocking
+        engine's ops go to the engine thread, but a small one is summed here when it is its
+        turn and that thread is idle; another engine's are issued here when it is their turn
+        (a thread hand-off at every release costs a scheduling delay where the cores are busy
+        with backward), else by the op before them."""
         if self.backend_class.blocking:
+            if vec.nbytes <= self.backend_class.inline_bytes and self._order.acquire(False):
+                try:  # its turn: every op before it is issued, and so complete
+                    if self._next == seq:
+                        self._take(seq, vec, done, what)
+                        return
+                finally:
+                    self._order.release()
             self._calls.put(("op", seq, vec, done, what))
             return
         with self._order:
@@ -229,7 +242,8 @@ class Collective:
                     box["error"] = e
                 done.set()
                 continue
-            self._take(*item[1:])
+            with self._order:  # a small op may be summed on the thread that submits it
+                self._take(*item[1:])
 
     def _completion(self, on_done: Callable[[], None],
                     what: str) -> Callable[[BaseException | None], None]:

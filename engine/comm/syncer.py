@@ -35,22 +35,12 @@ from .hosts import HostEntry
 from .levels import compose
 from .link import Link
 from .planner import Plan
-from .schemes import SCHEMES, Scheme
+from .schemes import SCHEMES, Finished, Scheme
 from .chunks import DEFAULT_CHUNK_BYTES
 from .stats import CommStats, now
 from .topology import Topology
-from .transport import (
-    COPY_BELOW_BYTES,
-    HEADER_BYTES,
-    HEADER_BYTES_PER_CHUNK,
-    SHARD,
-    WORKER,
-    Endpoint,
-    Message,
-    PeerId,
-    header,
-    message_key,
-)
+from .transport import (COPY_BELOW_BYTES, HEADER_BYTES, HEADER_BYTES_PER_CHUNK, SHARD, WORKER,
+                        Endpoint, Message, PeerId, header, message_key)
 from .units import LayerSlot, ParamSlot, Unit
 
 log = logging.getLogger("poseidon.comm")
@@ -251,7 +241,11 @@ class Syncer:
                 del self._pending[(unit.id, rnd)]
         if complete:
             captured = self._schemes[unit.scheme].capture(unit, rnd, pend[1])
-            self._events.put(("start", unit, rnd, pend[1], captured, pend[2]))
+            if isinstance(captured, Finished):  # summed on this thread: applied here
+                self._outstanding[(unit.id, rnd)] = (now(), pend[2])
+                self.done(unit, rnd, captured.bits)
+            else:
+                self._events.put(("start", unit, rnd, pend[1], captured, pend[2]))
 
     def wait(self, layer: int) -> None:
         """Block until every released round of ``layer`` is applied (call before its forward)."""

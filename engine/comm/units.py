@@ -7,6 +7,7 @@ units.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable
 
 import numpy as np
@@ -55,11 +56,13 @@ class Unit:
     def name(self) -> str:
         return "+".join(s.name for s in self.layers)
 
-    @property
+    # a unit's layers and their parameters' sizes are fixed once it is planned; these are
+    # read several times per unit and round on the gradient's path
+    @cached_property
     def params(self) -> list[ParamSlot]:
         return [p for s in self.layers for p in s.params]
 
-    @property
+    @cached_property
     def count(self) -> int:
         return sum(s.count for s in self.layers)
 

@@ -5,7 +5,7 @@ A new scheme is one module here plus one line in ``SCHEMES``: the planner prices
 """
 from __future__ import annotations
 
-from .base import Scheme
+from .base import Finished, Scheme
 from .gloo import Gloo
 from .halving_doubling import HalvingDoubling
 from .mpi import Mpi
@@ -23,4 +23,4 @@ NETWORK_SCHEMES = tuple(name for name, s in SCHEMES.items() if not s.one_machine
 #: the collective engines (schemes/collective.py): planned only where the job trusts its network
 ENGINE_SCHEMES = tuple(name for name, s in SCHEMES.items() if s.engine)
 
-__all__ = ["ENGINE_SCHEMES", "NETWORK_SCHEMES", "SCHEMES", "Scheme"]
+__all__ = ["ENGINE_SCHEMES", "NETWORK_SCHEMES", "SCHEMES", "Finished", "Scheme"]

@@ -5,6 +5,8 @@ schedules units; a scheme moves one unit's round and turns the local gradients i
 mean:
 
 - ``capture`` runs on the training thread at release (copy what the next forward overwrites);
+  a scheme that completed the round there (a blocking engine's small sum) says so with
+  ``Finished``, and the syncer applies the update on that thread, without a hand-off;
 - ``start`` runs on the progress thread once the local gradients are final;
 - ``check`` validates a received message on the receive thread, before any byte is used;
 - ``receive`` takes a checked message on the progress thread;
@@ -56,6 +58,15 @@ class Host(Protocol):
 
     def done(self, unit: Unit, rnd: int, bits: int) -> None:
         """The mean gradient of ``unit``'s round ``rnd`` is in its diffs: apply the update."""
+
+
+class Finished:
+    """``capture``'s answer for a round it completed on the training thread: the mean is in
+    the unit's diffs, and ``bits`` are the signals every worker raised in it."""
+    __slots__ = ("bits",)
+
+    def __init__(self, bits: int) -> None:
+        self.bits = bits
 
 
 class Scheme(ABC):

@@ -39,7 +39,7 @@ from ..engines import Backend, Collective, EngineError, ring_time
 from ..errors import CommError
 from ..transport import WORKER, Message, PeerId
 from ..units import Unit, gather, is_view, scatter_mean
-from .base import DenseScheme
+from .base import DenseScheme, Finished
 
 #: the request bits a signal unit carries, one value each behind its gradients
 SIGNAL_BITS = (pb.REQUEST_SNAPSHOT, pb.REQUEST_STOP, pb.REQUEST_OVERFLOW, pb.REQUEST_LEAVE)
@@ -77,6 +77,11 @@ class _Issued:
             ready = self._left == self._ops()
         if ready:
             finish()
+
+    def complete(self) -> bool:
+        """Every op of the round completed (a blocking engine ran them on this thread)."""
+        with self._lock:
+            return self._left == self._ops()
 
     def _ops(self) -> int:
         return 1 if self.flags is None else 2
@@ -143,23 +148,23 @@ class CollectiveScheme(DenseScheme):
         vec = gather(unit, self._buffers.get(unit.id))
         issued = _Issued(self.host, time.perf_counter())
         issued.vec, issued.flags = self._issue(unit, rnd, vec, bits, issued.completed)
+        if issued.complete():  # summed on this thread: the syncer applies it here too
+            return Finished(self._mean(unit, issued))
         return issued
 
     def start(self, unit: Unit, rnd: int, bits: int, captured: Any) -> None:
         if not isinstance(captured, _Issued):  # staged from a GPU: issued from here
             super().start(unit, rnd, bits, captured)
             return
-        world, spans = self.host.world, self.spans
+        captured.attach(lambda: self.host.done(unit, rnd, self._mean(unit, captured)))
 
-        def finish() -> None:  # on the progress thread
-            if spans is not None:
-                spans.append(time.perf_counter() - captured.began)
-            vec = captured.vec
-            agreed = self._agreed(unit, vec, captured.flags)
-            scatter_mean(unit, vec, world, vec)
-            self.host.done(unit, rnd, agreed)
-
-        captured.attach(finish)
+    def _mean(self, unit: Unit, issued: _Issued) -> int:
+        """The summed round's mean into the unit's diffs; the signal bits every worker raised."""
+        if self.spans is not None:
+            self.spans.append(time.perf_counter() - issued.began)
+        agreed = self._agreed(unit, issued.vec, issued.flags)
+        scatter_mean(unit, issued.vec, self.host.world, issued.vec)
+        return agreed
 
     def sum_vector(self, unit: Unit, rnd: int, phase: int, vec: Any, bits: int,
                    on_done: Callable[[Any, int], None]) -> None:
@@ -189,7 +194,7 @@ class CollectiveScheme(DenseScheme):
                 flags = self.signal_vector(values)
             else:
                 buf = self._buffers[unit.id]
-                if not np.shares_memory(buf, vec):  # a view or a staged vector: copied in
+                if vec is not buf:  # a view or a staged vector: copied in
                     buf[:unit.count] = vec[:unit.count]
                 buf[unit.count:] = values
                 vec = buf
