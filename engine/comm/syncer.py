@@ -221,7 +221,8 @@ class Syncer:
 
     # ------------------------------------------------------------------ the solver's side
     def release(self, layer: int) -> None:
-        """Hand layer ``layer``'s fresh gradients to the communication threads; returns at once."""
+        """Hand layer ``layer``'s fresh gradients on; at once, or a blocking engine's small sum
+        (its update applied here)."""
         unit = self._unit_of.get(layer)
         if unit is None:
             return
@@ -379,7 +380,8 @@ class Syncer:
         self._events.put(fn)
 
     def done(self, unit: Unit, rnd: int, bits: int) -> None:
-        """``unit``'s mean gradient of round ``rnd`` is in its diffs: apply (progress thread)."""
+        """``unit``'s mean gradient of round ``rnd`` is in its diffs: apply (progress thread;
+        the training thread for a round its scheme ``Finished`` at release)."""
         _, released = self._outstanding.pop((unit.id, rnd), (0.0, now()))
         apply = self.codec.after_round(unit.id, bits) if SCHEMES[unit.scheme].dense else True
         tl = timeline.current
