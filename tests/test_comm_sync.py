@@ -233,6 +233,9 @@ def test_byte_counters_equal_the_cost_model():
 def test_communication_overlaps_a_slow_backward():
     res = run_cluster(2, "ps", rounds=3, backward_s=0.25)
     stats = res[0][1]
-    # layers 2 and 1 are released 0.5 s / 0.25 s before backward ends; their comm is hidden
-    assert stats["hidden_fraction"] > 0.5, stats
+    # layers 2 and 1 are released 0.5 s / 0.25 s before backward ends; their comm is hidden,
+    # layer 0's (released last) is not: 2/3 where the three take as long, 0 without overlap.
+    # Under load layer 0's may take twice the others' (0.495 seen under stress-ng): the bound
+    # holds until it takes six times as long
+    assert stats["hidden_fraction"] > 0.25, stats
     assert stats["comm_s_per_iter"] > 0

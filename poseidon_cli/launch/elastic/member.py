@@ -225,9 +225,22 @@ class Member:
             commit = solver.commit()
         commit.sync_state = sync.state()  # the plan this generation follows
         self.commits.restart(commit)
+        if order["rank"] == 0 and order["source"] != "start":
+            self._keep_snapshot(commit)
         self.sync = ElasticSync(sync, solver, self.commits, self.client, order["gen"],
                                 solver.iter, order["commit_every"])
         return self.sync
+
+
+    def _keep_snapshot(self, commit: Any) -> None:
+        """Write the snapshot the solver's schedule wanted at the commit this generation
+        starts from, where it is missing: a rank 0 commits at a boundary, then writes, and a
+        kill in between lost it."""
+        solver = self.solver
+        every = solver.param.snapshot
+        if every and commit.iter and commit.iter % every == 0 \
+                and not Path(solver.snapshot_paths()[1]).exists():
+            solver.write_commit(commit)
 
 
 def plan_summary(plan: Any) -> str:
