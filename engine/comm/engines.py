@@ -11,9 +11,9 @@ engine/comm/schemes/collective.py, and its backends gloo.py, mpi.py and nccl.py)
   thread*, which also joins, probes and leaves (a small op whose turn it is, while that
   thread is idle, by the thread that submits it: ``Backend.inline_bytes``); another's by
   whichever thread submits an op in its turn (a hand-off at every release costs a
-  scheduling delay where backward keeps the cores busy). Completions are reported by the engine's own thread (Gloo's future, MPI's
-  engine thread) or, for an engine that cannot call back (NCCL's stream event), by a wait
-  thread that waits for each op in turn.
+  scheduling delay where backward keeps the cores busy). Completions are reported by the
+  engine's own thread (Gloo's future, MPI's engine thread) or, for an engine that cannot
+  call back (NCCL's stream event), by a wait thread that waits for each op in turn.
 - **probe**: at start-up, every worker at once, a 4 KB and a 4 MB allreduce on the engine,
   fitted as a ring's alpha and beta (``EngineCost``): what the planner prices the engine's
   layers with and the plan records.
