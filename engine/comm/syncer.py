@@ -243,8 +243,7 @@ class Syncer:
         if complete:
             captured = self._schemes[unit.scheme].capture(unit, rnd, pend[1])
             if isinstance(captured, Finished):  # summed on this thread: applied here
-                self._outstanding[(unit.id, rnd)] = (now(), pend[2])
-                self.done(unit, rnd, captured.bits)
+                self.done(unit, rnd, captured.bits, released=pend[2])
             else:
                 self._events.put(("start", unit, rnd, pend[1], captured, pend[2]))
 
@@ -379,10 +378,12 @@ class Syncer:
         """Run ``fn`` on the progress thread (from any thread)."""
         self._events.put(fn)
 
-    def done(self, unit: Unit, rnd: int, bits: int) -> None:
+    def done(self, unit: Unit, rnd: int, bits: int, released: float | None = None) -> None:
         """``unit``'s mean gradient of round ``rnd`` is in its diffs: apply (progress thread;
-        the training thread for a round its scheme ``Finished`` at release)."""
-        _, released = self._outstanding.pop((unit.id, rnd), (0.0, now()))
+        the training thread for a round its scheme ``Finished`` at release, which says when
+        it was ``released``: it was never outstanding)."""
+        if released is None:
+            _, released = self._outstanding.pop((unit.id, rnd), (0.0, now()))
         apply = self.codec.after_round(unit.id, bits) if SCHEMES[unit.scheme].dense else True
         tl = timeline.current
         start = tl.now()
