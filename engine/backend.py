@@ -27,14 +27,29 @@ def cupy_available() -> bool:
         return False
 
 
-def use_gpu(device: int) -> None:
-    """Select GPU ``device`` for new arrays; raises a clear error when there is none."""
+def use_gpu(device: int, math: str = "fast") -> None:
+    """Select GPU ``device`` for new arrays, its convolutions and matrix products computed as
+    ``math`` says (engine/kernels/cudnn_conv.py's ``MATHS``: fast, strict or tf32); raises a
+    clear error when there is no GPU."""
     global _device
+    from .kernels import cudnn_conv
+    if math not in cudnn_conv.MATHS:
+        raise ValueError(f"--gpu-math must be one of {', '.join(cudnn_conv.MATHS)}, got {math!r}")
     if not cupy_available():
         raise RuntimeError(f"--gpu {device}: CuPy with a CUDA GPU is not available on this machine "
                            "(pip install -e '.[gpu]' in Poseidon's checkout)")
     _cupy.cuda.Device(device).use()
     _device = device
+    cudnn_conv.set_math(math)
+    _set_matmul_tf32(math == "tf32")
+
+
+def _set_matmul_tf32(allowed: bool) -> None:
+    """cuBLAS's float32 products on TF32 tensor cores or not (CuPy's CUPY_TF32, set for this
+    process whatever the environment said: only --gpu-math tf32 allows them)."""
+    from cupy._core import _routines_linalg as linalg  # type: ignore
+    linalg.set_compute_type(np.float32, linalg.COMPUTE_TYPE_TF32 if allowed
+                            else linalg.COMPUTE_TYPE_DEFAULT)
 
 
 def use_cpu() -> None:
@@ -52,7 +67,14 @@ def device_name() -> str:
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     from .kernels import cudnn_conv  # the convolutions' library decides most GPU times
     return (f"{name}, CUDA runtime {_cupy.cuda.runtime.runtimeGetVersion()}, "
-            f"CuPy {_cupy.__version__}, {cudnn_conv.version()}")
+            f"CuPy {_cupy.__version__}, {cudnn_conv.version()}, math {cudnn_conv.math_mode()}")
+
+
+def gpu_math_line() -> str:
+    """The log's line on how the GPU computes (--gpu-math)."""
+    from .kernels import cudnn_conv
+    mode = cudnn_conv.math_mode()
+    return f"GPU math: {mode} ({cudnn_conv.MATH_LINES[mode]})"
 
 
 def xp_default() -> Any:

@@ -23,6 +23,10 @@ from engine.comm.schemes import ENGINE_SCHEMES, SCHEMES
 from engine.comm.chunks import DEFAULT_CHUNK_BYTES
 from engine.comm.shard import DEFAULT_THREADS as DEFAULT_SHARD_THREADS
 
+from engine.kernels.cudnn_conv import MATHS
+
+from .options import GPU_MATH
+
 SIGNAL_ACTIONS = ("stop", "snapshot", "none")
 
 NO_KEY = ("no job key: every process of a job authenticates its messages with one key. Make "
@@ -125,6 +129,7 @@ class JobConfig:
     gpus: tuple[int, ...] | None = None
     #: --gpus: local worker i of every machine takes gpus[i] (one worker per GPU)
     pin_gpus: bool = False
+    gpu_math: str = option("fast", "--gpu-math", **GPU_MATH)
     stats: str | None = option(None, "--stats", type=click.Path(dir_okay=False),
                                help="Write communication counters as JSON here.")
     #: SIGINT / SIGTERM / SIGHUP -> stop | snapshot | none (Caffe's -sigint_effect...)
@@ -179,6 +184,9 @@ class JobConfig:
             raise CommError(f"--chunk-bytes must be positive, got {self.chunk_bytes}")
         if self.shard_threads < 0:
             raise CommError(f"--shard-threads must be >= 0, got {self.shard_threads}")
+        if self.gpu_math not in MATHS:
+            raise CommError(f"--gpu-math must be one of {', '.join(MATHS)}, got "
+                            f"{self.gpu_math!r}")
         if self.gpus is not None and any(g < 0 for g in self.gpus):  # (--gpu checks its own)
             raise CommError(f"job configuration: field 'gpus' has the wrong type: "
                             f"{list(self.gpus)} (device ids are 0 or more)")

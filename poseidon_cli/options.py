@@ -3,7 +3,24 @@ refusals they share (no matplotlib, no root for namespaces). Commands import thi
 never each other."""
 from __future__ import annotations
 
+from typing import Any, Callable
+
+import click
+
+from engine.kernels.cudnn_conv import MATHS
+
 from .console import fail
+
+#: --gpu-math, as train (a JobConfig field), test, time and bench time take it
+GPU_MATH = dict(
+    type=click.Choice(list(MATHS)), show_default=True,
+    help="Which cuDNN plans a GPU's convolutions take: fast (the fastest deterministic float32 "
+    "plan, FFT and Winograd included, as Caffe's cuDNN path), strict (direct float32 sums, "
+    "NumPy's numerics) or tf32 (TF32 tensor cores in convolutions and products too).")
+
+
+def gpu_math_option(command: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option("--gpu-math", default="fast", **GPU_MATH)(command)  # type: ignore
 
 def parse_workers(text: str) -> list[int]:
     """'1,2,4,8' or '1-16' (every count) or a mix: '1,2,4-8'."""

@@ -41,8 +41,9 @@ def train_process(config: JobConfig, context: RunContext, gpu: int | None,
     from engine import backend, glog, timeline
 
     if gpu is not None:
-        backend.use_gpu(gpu)
+        backend.use_gpu(gpu, config.gpu_math)
         glog.info(f"Use GPU with device ID {gpu}")
+        glog.info(backend.gpu_math_line())
     else:
         glog.info("Use CPU.")
     solver = build_solver(config, context)

@@ -161,6 +161,8 @@ def test_bench_time_without_torch_times_the_engine_alone(monkeypatch, tmp_path):
     report = json.loads(out.read_text())
     assert report["peers"] == ["poseidon"]
     assert report["nets"]["lenet"]["median_ms"]["poseidon"] > 0
+    assert report["nets"]["lenet"]["train_median_ms"]["poseidon"] > 0
+    assert "train step poseidon" in r.output
     assert "ratio_vs_torch" not in report["nets"]["lenet"]
     # no Caffe binary: its recorded time, said to be recorded
     assert "RECORDED, not this run" in r.output

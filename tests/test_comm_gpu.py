@@ -23,6 +23,10 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not backend.cupy_available(), reason="needs CuPy and a CUDA GPU")]
 
 
+#: GPU 0 with direct float32 sums: the runs are compared with the CPU's within BOUND
+GPU = ("--gpu", "0", "--gpu-math", "strict")
+
+
 def train(d: Path, db: Path, batch: int, name: str, *args: str) -> dict[str, np.ndarray]:
     solver = write_run(d, db, batch, name)
     done = poseidon("train", "--solver", str(solver), *args, timeout=300)
@@ -32,7 +36,7 @@ def train(d: Path, db: Path, batch: int, name: str, *args: str) -> dict[str, np.
 
 @pytest.fixture(scope="module")
 def gpu_reference(digits_db, tmp_path_factory) -> dict[str, np.ndarray]:  # noqa: F811
-    return train(tmp_path_factory.mktemp("gpu_ref"), digits_db, TOTAL_BATCH, "ref", "--gpu", "0")
+    return train(tmp_path_factory.mktemp("gpu_ref"), digits_db, TOTAL_BATCH, "ref", *GPU)
 
 
 def test_one_gpu_worker_trains_as_the_cpu_does(digits_db, gpu_reference, tmp_path):  # noqa: F811
@@ -46,8 +50,7 @@ def test_two_workers_sharing_gpu_0_equal_one_gpu_worker_with_twice_the_batch(
     if comm == "gloo" and GlooBackend.missing(True):
         pytest.skip(f"gloo: {GlooBackend.missing(True)}")
     # (gloo: the GPU's gradients are staged to the host and summed there by Gloo)
-    got = train(tmp_path, digits_db, TOTAL_BATCH // 2, "n2", "-n", "2", "--gpu", "0",
-                "--comm", comm)
+    got = train(tmp_path, digits_db, TOTAL_BATCH // 2, "n2", "-n", "2", *GPU, "--comm", comm)
     assert max(relative_distance(got, gpu_reference).values()) <= BOUND
 
 
@@ -60,7 +63,7 @@ def test_one_nccl_rank_on_gpu_0_trains_as_one_gpu_worker(digits_db, gpu_referenc
     if NcclBackend.missing(True):
         pytest.skip(f"nccl: {NcclBackend.missing(True)}")
     solver = write_run(tmp_path, digits_db, TOTAL_BATCH, "nccl")
-    done = poseidon("train", "--solver", str(solver), "-n", "1", "--gpu", "0", "--comm", "nccl",
+    done = poseidon("train", "--solver", str(solver), "-n", "1", *GPU, "--comm", "nccl",
                     "--fusion-mb", "0", timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Collective engine nccl joined (NCCL " in done.stderr

@@ -12,8 +12,8 @@ The device side is a parameter of the harness (``Side``): the GPU tests run it o
 CPU self-checks here run every case with NumPy on both sides (each must build, forward and
 backward, and compute something) and check that the comparison catches a wrong result.
 
-The bound assumes float32 math on the device: CuPy's TF32 (CUPY_TF32=1) or a cuDNN engine
-allowed TF32 would be off by ~1e-3 and fail, as they should.
+The bound assumes float32 math on the device, direct sums (``--gpu-math strict``): TF32 or
+a cuDNN FFT/Winograd plan would be off by more and fail, as they should.
 """
 from __future__ import annotations
 
@@ -57,9 +57,11 @@ class Side:
 CPU = Side("numpy", np, backend.use_cpu)
 
 
-def gpu_side() -> Side:
+def gpu_side(math: str = "strict") -> Side:
+    """GPU 0 in a --gpu-math mode: strict (direct float32 sums) for every comparison with
+    NumPy or the real Caffe; tests/test_gpu_math.py bounds the others."""
     import cupy
-    return Side("cupy", cupy, lambda: backend.use_gpu(0))
+    return Side(f"cupy ({math})", cupy, lambda: backend.use_gpu(0, math))
 
 
 @contextlib.contextmanager

@@ -195,6 +195,32 @@ def test_sync_hook_gives_the_same_weights(tiny, threaded, extra):
         assert np.array_equal(a, b)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_a_staged_release_updates_as_the_plain_loop_does(tiny, device):
+    """bench time's training step (engine/perf/train_step.py): gradients out at release and
+    back before the layer's next forward, updated there; the same bits as no sync at all."""
+    from engine import backend
+    from engine.perf.train_step import StagedRelease
+    if device == "gpu" and not backend.cupy_available():
+        pytest.skip("needs CuPy and a GPU")
+    path = write_solver(tiny, snapshot=0, snapshot_after_train=False, test_interval=1000)
+    if device == "gpu":
+        backend.use_gpu(0, "strict")
+    try:
+        plain = Solver(path)
+        plain.step(5)
+        staged = Solver(path)
+        staged.attach_sync(StagedRelease(staged))
+        staged.step(5)
+        staged.wait_all()
+        for a, b in zip(params(plain), params(staged)):
+            assert backend.to_numpy(a).tobytes() == backend.to_numpy(b).tobytes()
+        assert any(np.abs(backend.to_numpy(a) - backend.to_numpy(b)).max() > 0
+                   for a, b in zip(params(plain), params(Solver(path))))
+    finally:
+        backend.use_cpu()
+
+
 def test_iter_size_equals_bigger_batch(tiny):
     p2 = solver_param(tiny, iter_size=2, snapshot=0, snapshot_after_train=False, test_interval=0)
     del p2.test_iter[:]
@@ -525,7 +551,7 @@ def test_gpu_training_matches_cpu(tiny):
         pytest.skip("needs CuPy and a GPU")
     path = write_solver(tiny, type="Adam", momentum2=0.999, snapshot=0, snapshot_after_train=False)
     cpu = train(path)
-    backend.use_gpu(0)
+    backend.use_gpu(0, "strict")
     try:
         gpu = train(path)
     finally:

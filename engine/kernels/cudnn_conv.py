@@ -15,11 +15,18 @@ plans cuDNN's heuristics offer, the fastest (timed when the graph is built) is k
 cudnn.benchmark does); workspaces come from CuPy's memory pool; they run on CuPy's current
 stream.
 
-Numerics: Caffe's, float32 in and float32 accumulation. Engines that down-convert inputs
-(TF32 tensor cores: 10-bit mantissas), are non-deterministic (atomics in wgrad), or transform
-(FFT, Winograd) or reduce in less than float32 are deselected (``EXCLUDED_NOTES``), so a plan
-computes the same bits every time and agrees with the NumPy path to float32 rounding. Where
-cuDNN has no engine for a shape, the layer keeps im2col and says so once.
+Numerics: float32 in and out, and never a non-deterministic engine (atomics in wgrad), so a
+plan computes the same bits every time. Which plans may run is the process's *math* mode
+(``--gpu-math``, ``set_math``), as ``MATHS`` lists:
+
+- ``fast`` (the default): the fastest deterministic float32 plan, FFT and Winograd transforms
+  included, as Caffe's cuDNN path picks them. The transforms round differently from a direct
+  sum (tests/test_gpu_parity.py bounds them against ``strict``);
+- ``strict``: direct float32 sums only (no transform, no reduced-precision reduction), which
+  agree with the NumPy path to float32 rounding; the oracle tests run this;
+- ``tf32``: TF32 tensor cores allowed too (10-bit mantissas), only when asked.
+
+Where cuDNN has no engine for a shape, the layer keeps im2col and says so once.
 """
 from __future__ import annotations
 
@@ -35,12 +42,23 @@ _import_error: str | None = None
 _handles: dict[int, Any] = {}
 #: plans timed per graph (the heuristics' first ones that build) and runs timed of each
 MAX_CANDIDATES = 8
-#: plans never taken (cudnn.numerical_note names): TF32 tensor cores, atomics (another sum
-#: order every run), and the transforms and reductions that give up float32's accuracy (an
-#: FFT or Winograd weight gradient missed real Caffe's by 3.5e-4 on CIFAR10-quick's conv2)
-EXCLUDED_NOTES = ("TENSOR_CORE", "DOWN_CONVERT_INPUTS", "NONDETERMINISTIC",
-                  "REDUCED_PRECISION_REDUCTION", "FFT", "WINOGRAD", "WINOGRAD_TILE_4x4",
-                  "WINOGRAD_TILE_6x6", "WINOGRAD_TILE_13x13")
+_DETERMINISTIC = ("NONDETERMINISTIC", "REDUCED_PRECISION_REDUCTION")  # atomics; fp16 sums
+_TF32 = ("TENSOR_CORE", "DOWN_CONVERT_INPUTS")
+_TRANSFORMS = ("FFT", "WINOGRAD", "WINOGRAD_TILE_4x4", "WINOGRAD_TILE_6x6", "WINOGRAD_TILE_13x13")
+#: math mode -> the plans it never takes (cudnn.numerical_note names). strict refuses the
+#: transforms too: with them CIFAR10-quick's conv2 weight gradient missed real Caffe's by
+#: 3.5e-4 (H100, 2026-11-26), over the 1e-4 the oracle tests allow
+MATHS = {"fast": _DETERMINISTIC + _TF32,
+         "strict": _DETERMINISTIC + _TF32 + _TRANSFORMS,
+         "tf32": _DETERMINISTIC}
+#: what the log says each mode runs
+MATH_LINES = {
+    "fast": "fastest deterministic float32 plans, FFT and Winograd included (Caffe's cuDNN "
+            "choice)",
+    "strict": "direct float32 sums only (no FFT, Winograd or TF32): NumPy's numerics",
+    "tf32": "TF32 tensor cores allowed in convolutions and matrix products (10-bit mantissas)",
+}
+_math = "fast"
 TIMED_RUNS = 3
 _graphs: dict[tuple, "_Graph | Exception"] = {}
 
@@ -76,6 +94,18 @@ def version() -> str:
     return f"cuDNN {cudnn.backend_version()} (frontend {getattr(cudnn, '__version__', '?')})"
 
 
+def set_math(mode: str) -> None:
+    """Choose the plans later convolutions take (``MATHS``); graphs built before keep theirs."""
+    global _math
+    if mode not in MATHS:
+        raise ValueError(f"GPU math mode must be one of {', '.join(MATHS)}, got {mode!r}")
+    _math = mode
+
+
+def math_mode() -> str:
+    return _math
+
+
 def _handle(cudnn: Any, cupy: Any) -> Any:
     device = cupy.cuda.Device().id
     with _lock:
@@ -109,7 +139,7 @@ class Shapes:
 class _Graph:
     """One operation graph: its tensors by role, its built plans, and the one it runs."""
 
-    def __init__(self, direction: str, s: Shapes) -> None:
+    def __init__(self, direction: str, s: Shapes, math: str) -> None:
         import cupy
         cudnn = _cudnn()
         f32 = cudnn.data_type.FLOAT
@@ -139,14 +169,14 @@ class _Graph:
         graph.validate()
         graph.build_operation_graph()
         graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        graph.deselect_numeric_notes([getattr(cudnn.numerical_note, n) for n in EXCLUDED_NOTES
+        graph.deselect_numeric_notes([getattr(cudnn.numerical_note, n) for n in MATHS[math]
                                       if hasattr(cudnn.numerical_note, n)])
         graph.check_support()
         self.graph = graph
         #: the plans built, in the heuristics' order, and their workspaces
         self.candidates: list[tuple[int, int]] = []
         # the count includes the deselected plans (which fail to build), and on a Hopper GPU
-        # the heuristics list TF32 plans first: every index is tried until enough are built
+        # the heuristics list TF32 plans first (refused but in tf32 mode): every index is tried until enough are built
         for i in range(int(graph.get_execution_plan_count())):
             try:
                 graph.build_plan_at_index(i)
@@ -198,12 +228,12 @@ class _Graph:
 
 def _graph(direction: str, shapes: Shapes) -> _Graph:
     import cupy
-    key = (cupy.cuda.Device().id, direction, shapes)
+    key = (cupy.cuda.Device().id, direction, shapes, _math)
     with _lock:
         built = _graphs.get(key)
     if built is None:
         try:
-            built = _Graph(direction, shapes)
+            built = _Graph(direction, shapes, _math)
         except Exception as e:  # kept: a layer reshaped every iteration does not rebuild
             built = e
         with _lock:

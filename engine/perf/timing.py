@@ -38,7 +38,7 @@ class TimingReport:
                 "layers": [l.as_dict() for l in self.layers]}
 
 
-def _sync() -> None:
+def sync_device() -> None:
     """Wait for queued GPU work so wall-clock times mean something."""
     xp = backend.xp_default()
     if xp is not np:
@@ -54,12 +54,12 @@ def time_passes(net: Net, iterations: int) -> float:
     for _ in range(2):  # kernels compile, plans build, the memory pool fills
         net.forward_prefilled()
         net.backward()
-    _sync()
+    sync_device()
     start = time.perf_counter()
     for _ in range(iterations):
         net.forward_prefilled()
         net.backward()
-    _sync()
+    sync_device()
     return (time.perf_counter() - start) * 1000.0 / iterations
 
 
@@ -81,13 +81,13 @@ def time_net(net: Net, iterations: int = 50,
         for i in range(n):
             start = clock()
             net.forward_layer(i)
-            _sync()
+            sync_device()
             fwd[i] += clock() - start
         net.seed_loss_diffs()
         for i in range(n - 1, -1, -1):
             start = clock()
             net.backward_layer(i)
-            _sync()
+            sync_device()
             bwd[i] += clock() - start
         if each is not None:
             each(it + 1, (clock() - began) * 1000.0)

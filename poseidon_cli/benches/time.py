@@ -67,29 +67,34 @@ GPU_ITERATIONS = 20
 _CHILD = r"""
 import json, sys, time
 peer, proto, iters, threads, gpu = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+math = sys.argv[6]
 from engine import backend
 if gpu >= 0 and peer.startswith("poseidon"):
-    backend.use_gpu(gpu)
+    backend.use_gpu(gpu, math)
 from engine.net import Net
-net = Net(proto, phase="TRAIN")
 if peer == "poseidon":
     from engine.perf.timing import time_passes
-    from poseidon_cli.benches.time import engine_in_use
-    print(json.dumps({"ms": time_passes(net, iters), "blas": engine_in_use()}))
+    from engine.perf.train_step import time_training_steps
+    from poseidon_cli.benches.time import engine_in_use, solver_for
+    solver = solver_for(proto)
+    ms = time_passes(solver.net, iters)
+    print(json.dumps({"ms": ms, "train_ms": time_training_steps(solver, iters),
+                      "blas": engine_in_use()}))
 elif peer == "poseidon-layers":
     from engine.perf.timing import time_net
-    report = time_net(net, iters)
+    report = time_net(Net(proto, phase="TRAIN"), iters)
     print(json.dumps({"ms": report.total_ms, "blas": report.device,
                       "layers": [l.as_dict() for l in report.layers]}))
 else:
     import torch
+    net = Net(proto, phase="TRAIN")
     torch.set_num_threads(threads)
     from poseidon_cli.benches.torch_peer import build, describe
     device = f"cuda:{gpu}" if gpu >= 0 else "cpu"
     torch.backends.cudnn.benchmark = True
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
-    step, _ = build(net, device)
+    step, params = build(net, device)
     sync = torch.cuda.synchronize if gpu >= 0 else (lambda: None)
     for _ in range(3 if gpu >= 0 else 1):  # cudnn.benchmark tries its algorithms here
         step()
@@ -99,12 +104,37 @@ else:
         step()
     sync()
     ms = (time.perf_counter() - t) * 1000 / iters
-    print(json.dumps({"ms": ms, "blas": describe(device, threads)}))
+    # the training step: Poseidon's solver's SGD (solver_for), as torch.optim's
+    from poseidon_cli.benches.time import SGD
+    sgd = torch.optim.SGD(params, lr=SGD["base_lr"], momentum=SGD["momentum"],
+                          weight_decay=SGD["weight_decay"])
+    for _ in range(2):
+        step(); sgd.step()
+    sync()
+    t = time.perf_counter()
+    for _ in range(iters):
+        step(); sgd.step()
+    sync()
+    train_ms = (time.perf_counter() - t) * 1000 / iters
+    print(json.dumps({"ms": ms, "train_ms": train_ms, "blas": describe(device, threads)}))
 """
 
 _CAFFE_TOTAL = re.compile(r"Average Forward-Backward:\s*([0-9.]+)\s*ms")
 _OPENBLAS_CORE = re.compile(r"Core:\s*(\S+)")
 _GLOG_FATAL = re.compile(r"^F\d{4,8} [^\]]*\] (.*)$", re.MULTILINE)
+
+
+#: the timed training step's solver (a small rate: the weights barely move in a timing)
+SGD = {"base_lr": 1e-4, "momentum": 0.9, "weight_decay": 5e-4}
+
+
+def solver_for(proto: str | Path) -> Any:
+    """An SGD solver of the timed net ``proto`` (SGD's settings; no test net, no snapshot)."""
+    from engine.pb import caffe_pb2
+    from engine.solver import Solver
+    param = caffe_pb2.SolverParameter(net=str(proto), lr_policy="fixed", max_iter=10**9,
+                                      display=0, snapshot_after_train=False, **SGD)
+    return Solver(param)
 
 
 def torch_available() -> bool:
@@ -151,20 +181,15 @@ def _env(threads: int) -> dict[str, str]:
     return dict(os.environ, OPENBLAS_NUM_THREADS=n, OMP_NUM_THREADS=n, MKL_NUM_THREADS=n)
 
 
-def _child_report(peer: str, proto: Path, iters: int, threads: int,
-                  gpu: int | None) -> dict[str, Any]:
+def _child_report(peer: str, proto: Path, iters: int, threads: int, gpu: int | None,
+                  math: str = "fast") -> dict[str, Any]:
+    """One peer's timing in a process of its own: {"ms", "train_ms", "blas"}, or "layers"."""
     done = subprocess.run([sys.executable, "-c", _CHILD, peer, str(proto), str(iters),
-                           str(threads), str(-1 if gpu is None else gpu)], cwd=ROOT,
+                           str(threads), str(-1 if gpu is None else gpu), math], cwd=ROOT,
                           env=_env(threads), capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"{peer} on {proto.name}: {done.stderr.strip().splitlines()[-1:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _child(peer: str, proto: Path, iters: int, threads: int,
-           gpu: int | None = None) -> tuple[float, str]:
-    out = _child_report(peer, proto, iters, threads, gpu)
-    return float(out["ms"]), out["blas"]
 
 
 def caffe_time(binary: str, proto: Path, iters: int, threads: int) -> tuple[float, str]:
@@ -186,8 +211,9 @@ def caffe_time(binary: str, proto: Path, iters: int, threads: int) -> tuple[floa
 
 def run(nets: list[str], repeats: int, iterations: int | None = None, threads: int = 1,
         caffe: str | None = None, say: Callable[[str], None] = print,
-        gpu: int | None = None) -> dict[str, Any]:
-    """Time ``nets`` on every available peer, alternating; returns the JSON report."""
+        gpu: int | None = None, math: str = "fast") -> dict[str, Any]:
+    """Time ``nets`` on every available peer, alternating, forward + backward and (Poseidon
+    and PyTorch) the training step; returns the JSON report."""
     peers = ["poseidon"] + (["caffe"] if caffe else []) + (["torch"] if torch_available() else [])
     results: dict[str, Any] = {}
     blas: dict[str, str] = {}
@@ -198,22 +224,41 @@ def run(nets: list[str], repeats: int, iterations: int | None = None, threads: i
             protos[name] = proto = write_net(name, Path(tmp), batch)
             iters = iterations or (GPU_ITERATIONS if gpu is not None else NETS[name].iterations)
             runs: dict[str, list[float]] = {p: [] for p in peers}
+            steps: dict[str, list[float]] = {p: [] for p in peers if p != "caffe"}
             for _ in range(repeats):
                 for peer in peers:  # alternate
-                    ms, blas[peer] = (caffe_time(caffe, proto, iters, threads) if peer == "caffe"
-                                      else _child(peer, proto, iters, threads, gpu))
+                    if peer == "caffe":
+                        ms, blas[peer] = caffe_time(caffe, proto, iters, threads)
+                    else:
+                        out = _child_report(peer, proto, iters, threads, gpu, math)
+                        ms, blas[peer] = float(out["ms"]), out["blas"]
+                        steps[peer].append(float(out["train_ms"]))
                     runs[peer].append(ms)
             results[name] = _summary(name, batch, runs, iters, threads, say, gpu is None)
+            results[name].update(_steps_summary(steps, say))
         report: dict[str, Any] = {"threads": threads, "gpu": gpu, "peers": peers, "blas": blas,
-                                  "nets": results}
+                                  "gpu_math": math if gpu is not None else None, "nets": results}
         compared = [n for n in results if "ratio_vs_torch" in results[n]]
         if gpu is not None and compared:
             worst = max(compared, key=lambda n: results[n]["ratio_vs_torch"])
             layers = _child_report("poseidon-layers", protos[worst],
-                                   iterations or GPU_ITERATIONS, threads, gpu)["layers"]
+                                   iterations or GPU_ITERATIONS, threads, gpu, math)["layers"]
             report["worst"] = {"net": worst, "layers": layers}
             _say_layers(worst, layers, say)
     return report
+
+
+def _steps_summary(steps: dict[str, list[float]], say: Callable[[str], None]) -> dict[str, Any]:
+    """The training steps' medians (forward, backward, staged release, update) and the ratio
+    to PyTorch's (loss.backward and torch.optim.SGD's step)."""
+    med = {p: statistics.median(v) for p, v in steps.items()}
+    res: dict[str, Any] = {"train_runs_ms": steps, "train_median_ms": med}
+    line = f"{'':14} train step poseidon {med['poseidon']:9.2f} ms"
+    if "torch" in med:
+        res["train_ratio_vs_torch"] = med["poseidon"] / med["torch"]
+        line += f"   torch {med['torch']:9.2f} ms ({res['train_ratio_vs_torch']:.2f}x)"
+    say(line)
+    return res
 
 
 def _say_layers(name: str, layers: list[dict[str, Any]], say: Callable[[str], None]) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from ..console import fail
+from ..options import gpu_math_option
 
 
 @click.command("time")
@@ -26,9 +27,10 @@ from ..console import fail
                    "recorded times are shown, labelled as recorded.")
 @click.option("--gpu", type=int, default=None,
               help="Time on this GPU (CuPy and cuDNN; PyTorch on the same GPU) at GPU batch sizes.")
+@gpu_math_option
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def time_cmd(nets: str | None, repeats: int, iterations: int | None, threads: str,
-             caffe: str | None, gpu: int | None, json_path: str | None) -> None:
+             caffe: str | None, gpu: int | None, gpu_math: str, json_path: str | None) -> None:
     """The engine's forward+backward next to Caffe and PyTorch, alternating runs."""
     from poseidon_cli.benches.comm import cpu_name_and_blas
     from poseidon_cli.benches.time import NETS, run, torch_available
@@ -59,7 +61,9 @@ def time_cmd(nets: str | None, repeats: int, iterations: int | None, threads: st
     if not torch_available():
         click.echo("PyTorch is not installed (pip install torch==2.13.0): no PyTorch peer")
     try:
-        report = run(chosen, repeats, iterations, n_threads, caffe, click.echo, gpu)
+        if gpu is not None:
+            click.echo(f"GPU math: {gpu_math}; PyTorch: cudnn.benchmark on, TF32 off")
+        report = run(chosen, repeats, iterations, n_threads, caffe, click.echo, gpu, gpu_math)
     except RuntimeError as e:
         fail(str(e))
     for peer, blas in report["blas"].items():

@@ -6,6 +6,7 @@ from pathlib import Path
 import click
 
 from ..console import fail, user_errors
+from ..options import gpu_math_option
 
 
 @click.command("test")
@@ -15,9 +16,10 @@ from ..console import fail, user_errors
 @click.option("--iterations", default=50, show_default=True, type=int,
               help="Batches to score.")
 @click.option("--gpu", type=int, default=None, help="Run on this GPU (needs CuPy).")
+@gpu_math_option
 @click.option("--level", default=0, show_default=True, type=int, help="NetState level.")
 @click.option("--stage", multiple=True, help="NetState stage (repeat for several).")
-def test(model: str, weights: str, iterations: int, gpu: int | None, level: int,
+def test(model: str, weights: str, iterations: int, gpu: int | None, gpu_math: str, level: int,
          stage: tuple[str, ...]) -> None:
     """Per-batch outputs, then the mean of every output and the loss, as `caffe test` prints."""
     from engine import backend, glog
@@ -30,7 +32,8 @@ def test(model: str, weights: str, iterations: int, gpu: int | None, level: int,
             fail(f"{what}: {path} not found")
     with user_errors():
         if gpu is not None:
-            backend.use_gpu(gpu)
+            backend.use_gpu(gpu, gpu_math)
+            glog.info(backend.gpu_math_line())
         from engine.caffe_io import load_trained_weights
         from engine.net import Net
         net = Net(model, phase="TEST", level=level, stages=stage)

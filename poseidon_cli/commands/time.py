@@ -8,6 +8,7 @@ import sys
 import click
 
 from ..console import fail, user_errors
+from ..options import gpu_math_option
 
 
 @click.command("time")
@@ -17,6 +18,7 @@ from ..console import fail, user_errors
               help="Timed forward+backward passes (after one warm-up pass).")
 @click.option("--phase", default="TRAIN", type=click.Choice(["TRAIN", "TEST"]), show_default=True)
 @click.option("--gpu", type=int, default=None, help="Run on this GPU (needs CuPy).")
+@gpu_math_option
 @click.option("--synthetic", is_flag=True,
               help="Replace the data layers by Input layers of the shapes they would give "
                    "(zeros): time a train_val net without its database.")
@@ -26,8 +28,8 @@ from ..console import fail, user_errors
               help="With --synthetic: C,H,W of a data layer whose shape is unknown.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the report as JSON (a layer trace `poseidon simulate --trace` reads).")
-def time_cmd(model: str, iterations: int, phase: str, gpu: int | None, synthetic: bool,
-             batch: int | None, input_shape: str | None, as_json: bool) -> None:
+def time_cmd(model: str, iterations: int, phase: str, gpu: int | None, gpu_math: str,
+             synthetic: bool, batch: int | None, input_shape: str | None, as_json: bool) -> None:
     """Average forward, backward and per-layer times, as `caffe time` prints them."""
     from engine import backend
     from engine.perf.timing import time_net
@@ -40,7 +42,7 @@ def time_cmd(model: str, iterations: int, phase: str, gpu: int | None, synthetic
         fail(f"--batch must be positive, got {batch}")
     with user_errors():
         if gpu is not None:
-            backend.use_gpu(gpu)
+            backend.use_gpu(gpu, gpu_math)
         from engine.net import Net
         if synthetic:
             from pathlib import Path

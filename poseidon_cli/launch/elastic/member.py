@@ -263,7 +263,7 @@ def run_member(config: JobConfig, driver: str, host: str, port: int, machine: st
         glog.add_file(str(Path(config.log_dir) / f"{host}_{port}.log"))
     glog.set_enabled(False)  # rank 0 of each generation logs, as in any run
     if gpu is not None:
-        backend.use_gpu(gpu)
+        backend.use_gpu(gpu, config.gpu_math)
     client = DriverClient(driver, key, config.timeout)
     member = Member(config, client, key, gpu, host, port, machine)
     try:
