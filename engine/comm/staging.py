@@ -8,10 +8,16 @@ stream of its own that waits for that event, into page-locked host memory, so th
 moves the bytes while the compute stream goes on with the layers below. The progress thread
 waits for the copy's event alone, never for the GPU's queue, before the scheme reads the vector.
 
+The mean comes back the same way (``scatter``): the host writes it into the unit's vector,
+the copy stream takes it to the diffs, and the compute stream waits for that copy's event
+before the update that follows, so no thread blocks on the copy and the copy engine, not the
+compute stream, moves the bytes.
+
 One vector per unit, reused every round: a round's copy is queued at release, and the unit's
 previous round was applied before that (the solver waits for it before the layer's forward),
-so no round reads a vector the next one writes. Host arrays need no staging (``begin``
-returns None and the scheme gathers them as before).
+so no round reads a vector the next one writes; a round's copy out queues on the copy stream
+behind the previous round's copy back, which has therefore read the vector. Host arrays need
+no staging (``begin`` returns None and the scheme gathers them as before).
 """
 from __future__ import annotations
 
@@ -53,6 +59,8 @@ class Staging:
     def __init__(self) -> None:
         self._streams: dict[int, Any] = {}
         self._vectors: dict[int, np.ndarray] = {}
+        #: per unit, the stream its gradients were computed on (the update's, too)
+        self._compute: dict[int, Any] = {}
 
     def begin(self, unit: Unit) -> Staged | None:
         """On the training thread at release: queue the copy of ``unit``'s gradients to the
@@ -74,7 +82,8 @@ class Staging:
                 memory = cupy.cuda.alloc_pinned_memory(max(count * dtype.itemsize, 1))
                 vec = self._vectors[unit.id] = np.frombuffer(memory, dtype, count)
             ready = cupy.cuda.Event()
-            ready.record()  # the compute stream: the gradients are final once it gets here
+            compute = self._compute[unit.id] = cupy.cuda.get_current_stream()
+            ready.record(compute)  # the gradients are final once the compute stream gets here
             stream.wait_event(ready)
             started, finished = cupy.cuda.Event(), cupy.cuda.Event()
             started.record(stream)
@@ -86,3 +95,26 @@ class Staging:
             finished.record(stream)
         keep = tuple(f for f, d in zip(flat, diffs) if f is not d)
         return Staged(vec, started, finished, keep)
+
+    def scatter(self, unit: Unit, total: np.ndarray, world: int, vec: np.ndarray) -> bool:
+        """At the end of a staged round (any thread): ``total / world`` into ``vec``, and from
+        there to the unit's diffs on the copy stream, the compute stream waiting for it.
+        False where the caller must scatter (a vector not staged here, strided diffs)."""
+        diffs = [p.blob.diff for p in unit.params]
+        if self._vectors.get(unit.id) is not vec or not all(d.flags.c_contiguous
+                                                             for d in diffs):
+            return False
+        import cupy
+        np.divide(total, world, out=vec)
+        device = diffs[0].device
+        with device:
+            stream = self._streams[device.id]
+            address = vec.ctypes.data
+            for d in diffs:
+                cupy.cuda.runtime.memcpyAsync(d.data.ptr, address, d.nbytes,
+                                              cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+                address += d.nbytes
+            arrived = cupy.cuda.Event()
+            arrived.record(stream)
+            self._compute[unit.id].wait_event(arrived)
+        return True

@@ -176,7 +176,8 @@ class _Graph:
         #: the plans built, in the heuristics' order, and their workspaces
         self.candidates: list[tuple[int, int]] = []
         # the count includes the deselected plans (which fail to build), and on a Hopper GPU
-        # the heuristics list TF32 plans first (refused but in tf32 mode): every index is tried until enough are built
+        # the heuristics list TF32 plans first (refused but in tf32 mode): every index is
+        # tried until enough are built
         for i in range(int(graph.get_execution_plan_count())):
             try:
                 graph.build_plan_at_index(i)

@@ -3,10 +3,9 @@
 `poseidon bench time` sets this beside PyTorch's training step (loss.backward and an SGD
 step). A distributed worker's step does more than forward and backward: at release each
 layer's gradients leave the GPU on the staging stream (engine/comm/staging.py), come back
-as the round's mean, and the layer is updated before its next forward. ``StagedRelease`` is a
-GradientSync doing exactly that with a world of one: the copies out and back, the solver's
-update, and the waits, on the threads and streams a real scheme uses for them, without a
-peer.
+the same way as the round's mean, and the layer is updated before its next forward.
+``StagedRelease`` is a GradientSync doing exactly that with a world of one: the copies out
+and back, the solver's update, and the waits, as a dense scheme makes them, without a peer.
 """
 from __future__ import annotations
 
@@ -48,7 +47,8 @@ class StagedRelease:
         staged = self._pending.pop(layer_index)
         unit = self._units[layer_index]
         vec = staged.wait() if staged is not None else gather(unit)
-        scatter_mean(unit, vec, 1, vec)
+        if staged is None or not self._staging.scatter(unit, vec, 1, vec):
+            scatter_mean(unit, vec, 1, vec)
         self._solver.update_layer(layer_index)
 
     def wait_all(self) -> None:

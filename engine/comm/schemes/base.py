@@ -207,8 +207,10 @@ class DenseScheme(Scheme):
                 spans.append(time.perf_counter() - began)
             # the mean (P workers with batch B compute one worker's P·B) into the diffs (a
             # scheme's sends of ``vec``, maybe a diff, are all received once the sum is
-            # complete, while ``total`` may still be on its way to a peer: zero-copy)
-            scatter_mean(unit, total, world, vec)
+            # complete, while ``total`` may still be on its way to a peer: zero-copy); a
+            # staged one goes back on the copy stream
+            if captured is None or not self._staging.scatter(unit, total, world, vec):
+                scatter_mean(unit, total, world, vec)
             self.host.done(unit, rnd, bits)
 
         self.host.codec.reduce(unit, rnd, vec, bits, self.sum_vector, finish)

@@ -76,11 +76,15 @@ class NcclBackend(Backend):
         from cupy.cuda import nccl
         for var, value in PIN:
             os.environ.setdefault(var, value)
-        uid = tuple(b - 256 if b > 127 else b for b in setup)
         self.cupy, self.nccl = cupy, nccl
         self.device = cupy.cuda.Device().id  # the engine thread's: the worker's GPU
         self.stream = cupy.cuda.Stream()  # blocking: ordered after the default stream's work
-        self.comm = nccl.NcclCommunicator(world, uid, rank)
+        try:  # CuPy 14 takes the id as the bytes get_unique_id gives
+            self.comm = nccl.NcclCommunicator(world, setup, rank)
+        except TypeError:  # (raised converting the argument, before NCCL is called)
+            # CuPy 13 and older: a tuple of signed chars
+            self.comm = nccl.NcclCommunicator(
+                world, tuple(b - 256 if b > 127 else b for b in setup), rank)
 
     def start(self, vec: Any) -> Any:
         dtype = {np.dtype("float32"): self.nccl.NCCL_FLOAT32,
