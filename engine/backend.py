@@ -100,6 +100,19 @@ def is_gpu_array(a: Any) -> bool:
     return _cupy is not None and isinstance(a, _cupy.ndarray)
 
 
+_ONES: dict[tuple[str, str, int, str], Any] = {}
+
+
+def ones_like_vector(like: Any, n: int) -> Any:
+    """n ones on ``like``'s device, of its dtype, made once: the vector a sum as a GEMV
+    (Caffe's multipliers) multiplies by."""
+    key = (type(like).__module__, str(getattr(like, "device", "cpu")), n, str(like.dtype))
+    ones = _ONES.get(key)
+    if ones is None:
+        ones = _ONES[key] = get_array_module(like).ones(n, dtype=like.dtype)
+    return ones
+
+
 #: the seed of a solver whose random_seed is -1 (Caffe takes entropy; a fixed one keeps the
 #: replicas of a distributed run identical and every run repeatable)
 DEFAULT_SEED = 1701

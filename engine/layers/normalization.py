@@ -66,11 +66,11 @@ class BatchNormLayer(Layer):
             var = self.blobs[1].data * dtype.type(factor)
             centered = x3 - mean.reshape(1, -1, 1)
         else:
-            mean = x3.mean(axis=(0, 2))
-            centered = x3 - mean.reshape(1, -1, 1)
-            var = (centered * centered).mean(axis=(0, 2))
-            maf = dtype.type(self.moving_average_fraction)
             m = bottom[0].count // self.channels
+            mean = _reduce_outer_inner(x3) / dtype.type(m)
+            centered = x3 - mean.reshape(1, -1, 1)
+            var = _reduce_outer_inner(centered, centered) / dtype.type(m)
+            maf = dtype.type(self.moving_average_fraction)
             correction = dtype.type(m / (m - 1) if m > 1 else 1)
             self.blobs[2].data *= maf
             self.blobs[2].data += 1
@@ -99,9 +99,9 @@ class BatchNormLayer(Layer):
             return
         # dx = (dy - mean(dy) - mean(dy * y) * y) / std, means over all axes but channels.
         y3 = self._x_norm
-        n = dy3.shape[0] * dy3.shape[2]
-        mean_dyy = (xp.einsum("ijk,ijk->j", dy3, y3) / n).reshape(1, -1, 1)
-        mean_dy = dy3.mean(axis=(0, 2)).reshape(1, -1, 1)
+        n = dy3.dtype.type(dy3.shape[0] * dy3.shape[2])
+        mean_dyy = (_reduce_outer_inner(dy3, y3) / n).reshape(1, -1, 1)
+        mean_dy = (_reduce_outer_inner(dy3) / n).reshape(1, -1, 1)
         grad = dy3 - mean_dy - mean_dyy * y3
         xp.divide(grad, self._std, out=dx3)
 
@@ -194,11 +194,16 @@ def _make_param(layer: Layer, bottom: Blob, shape: tuple[int, ...], filler_param
 
 
 def _reduce_outer_inner(a3: Any, b3: Any | None = None) -> Any:
-    """Sum over outer and inner axes of a3 (or of a3 * b3 without a temporary)."""
-    xp = backend.get_array_module(a3)
-    if b3 is None:
-        return a3.sum(axis=(0, 2))
-    return xp.einsum("ijk,ijk->j", a3, b3)
+    """Per-channel sums of a3 (outer, dim, inner), or of a3 * b3, over outer and inner, in
+    Caffe's order: a GEMV over each (outer, channel) row, then one over the outer index. Both
+    are BLAS products, which a GPU runs at its memory's speed; CuPy's reduction over two
+    axes at once gives each channel one thread block (ResNet-50's first BatchNorm: 64 blocks
+    reading 100 MB)."""
+    outer, dim, inner = a3.shape
+    if b3 is not None:
+        a3 = a3 * b3
+    rows = a3.reshape(outer * dim, inner) @ backend.ones_like_vector(a3, inner)
+    return backend.ones_like_vector(a3, outer) @ rows.reshape(outer, dim)
 
 
 @register("Bias")

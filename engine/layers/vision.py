@@ -226,10 +226,9 @@ class _BaseConvolution(Layer):
         # Caffe's order: a GEMV per image over its pixels, then the images in turn (a
         # reduction over two axes of the blob was 3x slower)
         if self.bias_term and self.param_propagate_down[1]:
-            xp = backend.get_array_module(top_diff)
             per_pixel = top_diff.reshape(self.num * self.num_output, -1)
-            ones = xp.ones(per_pixel.shape[1], dtype=top_diff.dtype)
-            self.blobs[1].diff += xp.matmul(per_pixel, ones).reshape(self.num, -1).sum(axis=0)
+            ones = backend.ones_like_vector(top_diff, per_pixel.shape[1])
+            self.blobs[1].diff += (per_pixel @ ones).reshape(self.num, -1).sum(axis=0)
 
     def _weight_gradient(self, dy: Any, col: Any, dw: Any) -> None:
         """dw (group, C/group, rows) += dy (n, C, h, w) times the chunk's columns'
