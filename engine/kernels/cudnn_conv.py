@@ -39,7 +39,8 @@ from .geometry import Geometry
 _lock = threading.Lock()
 _module: Any = None
 _import_error: str | None = None
-_handles: dict[int, Any] = {}
+#: per device: cuDNN's handle and the stream it was last set to
+_handles: dict[int, list[Any]] = {}
 #: plans timed per graph (the heuristics' first ones that build) and runs timed of each
 MAX_CANDIDATES = 8
 _DETERMINISTIC = ("NONDETERMINISTIC", "REDUCED_PRECISION_REDUCTION")  # atomics; fp16 sums
@@ -107,13 +108,18 @@ def math_mode() -> str:
 
 
 def _handle(cudnn: Any, cupy: Any) -> Any:
+    """The device's handle, set to the current stream (a call per convolution: the stream
+    is set only when it changed)."""
     device = cupy.cuda.Device().id
+    stream = cupy.cuda.get_current_stream().ptr
     with _lock:
-        if device not in _handles:
-            _handles[device] = cudnn.create_handle()
-    handle = _handles[device]
-    cudnn.set_stream(handle=handle, stream=cupy.cuda.get_current_stream().ptr)
-    return handle
+        entry = _handles.get(device)
+        if entry is None:
+            entry = _handles[device] = [cudnn.create_handle(), None]
+        if entry[1] != stream:
+            cudnn.set_stream(handle=entry[0], stream=stream)
+            entry[1] = stream
+        return entry[0]
 
 
 def _packed(shape: tuple[int, ...]) -> list[int]:
