@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -54,6 +55,28 @@ def compiled_kernels() -> None:
     from poseidon_cli.warming import warm_kernels
 
     warm_kernels(["float32"], lambda message: None, force=False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def numpy_kernels(request: pytest.FixtureRequest) -> Iterator[None]:
+    """In a file marked ``numpy_kernels``, POSEIDON_NUMBA=0 for its tests and every process
+    they start. Such files start hundreds of worker processes in all, and each spent about a
+    second importing Numba and loading its compiled kernels from the cache (test_comm_train.py:
+    51.6 s of CPU against 40.8 without). The compiled forms equal the NumPy forms to the bit
+    (tests/test_layers_vision.py and the kernels' own tests run both), so what these files
+    assert, that distributed runs equal one worker, holds for either."""
+    if request.node.get_closest_marker("numpy_kernels") is None:
+        yield
+        return
+    before = os.environ.get("POSEIDON_NUMBA")
+    os.environ["POSEIDON_NUMBA"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("POSEIDON_NUMBA", None)
+        else:
+            os.environ["POSEIDON_NUMBA"] = before
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

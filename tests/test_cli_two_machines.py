@@ -10,7 +10,11 @@ import sys
 import threading
 import time
 
+import pytest
+
 from tests.test_comm_train import ROOT, digits_db, write_hosts, write_run  # noqa: F401
+
+pytestmark = pytest.mark.numpy_kernels
 
 #: the most a waiting process may stay silent (it speaks every SAY_EVERY = 3 s)
 SILENT_S = 5.0

@@ -42,7 +42,7 @@ from tests.test_elastic_train import LOST, K, Job, jobs, resumed_reference, tree
 from tests.conftest import shared_path
 
 #: it starts processes or trains: its file starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.numpy_kernels]
 
 WORKERS = 3
 BATCH = 10  # per worker; one worker trains with 30

@@ -19,7 +19,7 @@ from engine.comm.auth import KEY_ENV
 from tests.test_comm_train import ROOT, digits_db, write_hosts, write_run  # noqa: F401
 
 #: it starts processes or trains: its file starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.numpy_kernels]
 
 TIMEOUT = 3.0
 #: a liveness bound, not a speed claim: detection after TIMEOUT, then EXIT_GRACE_S for a busy

@@ -22,6 +22,8 @@ from tests.test_comm_train import (  # noqa: F401
     write_run,
 )
 
+pytestmark = pytest.mark.numpy_kernels
+
 BATCH = 8  # per worker
 
 

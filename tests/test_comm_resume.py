@@ -18,7 +18,7 @@ from tests.test_comm_train import (ROOT, digits_db, digits_net, poseidon, weight
                                    write_hosts, write_run)
 
 #: it starts processes or trains: its file starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.numpy_kernels]
 
 
 def train(*args: str) -> str:

@@ -30,7 +30,7 @@ from tests.test_comm_train import digits_db, poseidon, weights, write_hosts, wri
 from tests.test_comm_transport import KEY, local_hosts
 
 #: it starts processes or trains: its file starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.numpy_kernels]
 
 
 def _layout(counts, dtype="<f4", chunk_bytes=4096):

@@ -23,6 +23,8 @@ import pytest
 from tests.test_comm_train import (ROOT, digits_db, poseidon, relative_distance,  # noqa: F401
                                    weights, write_hosts, write_run)
 
+pytestmark = pytest.mark.numpy_kernels
+
 FAR = 100000  # max_iter of the interrupted run: it only ends by the signal
 
 

@@ -23,7 +23,7 @@ from engine.comm.units import Unit
 from tests.test_comm_transport import KEY, local_hosts
 
 #: it starts processes or trains: its file starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.numpy_kernels]
 
 K, M, N = 4, 6, 8
 SHAPES = {0: [(16,)], 1: [(N, M), (N,)], 2: [(3, 4)]}

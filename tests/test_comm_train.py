@@ -41,7 +41,7 @@ from poseidon_cli.launch.hostfile import free_base_port
 from tests.conftest import shared_path
 
 #: it starts processes or trains: its file starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.numpy_kernels]
 
 ROOT = Path(__file__).resolve().parent.parent
 TOTAL_BATCH = 32

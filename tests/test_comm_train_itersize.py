@@ -9,8 +9,11 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from tests.test_comm_train import digits_db, poseidon, weights, write_hosts, write_run  # noqa: F401
+
+pytestmark = pytest.mark.numpy_kernels
 
 
 def test_iter_size_two_workers_equal_one_worker(digits_db, tmp_path):  # noqa: F811

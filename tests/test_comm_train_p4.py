@@ -12,7 +12,7 @@ from tests.test_comm_train import (  # noqa: F401
 )
 
 #: it starts processes or trains: its file starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.numpy_kernels]
 
 
 @pytest.mark.parametrize("comm", ["ps", "sfb", "hybrid", "ring", "hd"])

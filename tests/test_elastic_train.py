@@ -34,7 +34,7 @@ from tests.test_comm_faults import alive, children
 from tests.test_comm_train import ROOT, digits_db, poseidon, weights, write_run  # noqa: F401
 
 #: it starts processes or trains: its file starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.numpy_kernels]
 
 K = 5
 #: a liveness bound for each awaited line: start-up of 4-5 processes on a busy 2-core

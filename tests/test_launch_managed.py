@@ -36,7 +36,7 @@ from tests.test_comm_faults import (
 from tests.test_comm_train import ROOT, digits_db, poseidon, weights, write_run  # noqa: F401
 
 #: it starts processes or trains: its file starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.numpy_kernels]
 
 ITERS = 4
 BATCH = 8  # per worker
