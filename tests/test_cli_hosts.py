@@ -10,6 +10,8 @@ import pytest
 from engine.comm.hosts import HostsError
 from poseidon_cli.launch.hostfile import parse_hosts
 
+pytestmark = pytest.mark.numpy_kernels
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -7,9 +7,12 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tests.test_comm_train import (BOUND, ROOT, TOTAL_BATCH, digits_db, poseidon,  # noqa: F401
                                    relative_distance, weights, write_run)
+
+pytestmark = pytest.mark.numpy_kernels
 
 ITERS = 10
 

@@ -24,6 +24,8 @@ import zmq
 from engine.pb import poseidon_pb2 as pb
 from tests.test_comm_train import digits_db, poseidon, weights, write_hosts, write_run  # noqa: F401
 
+pytestmark = pytest.mark.numpy_kernels
+
 ITERS = 30
 BATCH = 16
 

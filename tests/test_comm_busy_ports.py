@@ -11,6 +11,8 @@ import pytest
 
 from tests.test_comm_train import digits_db, poseidon, write_hosts, write_run  # noqa: F401
 
+pytestmark = pytest.mark.numpy_kernels
+
 
 @pytest.mark.parametrize("who, offset", [("worker 1", 2), ("shard 1", 3)])
 def test_a_busy_port_is_named_at_once(who, offset, digits_db, tmp_path):  # noqa: F811

@@ -14,6 +14,8 @@ import pytest
 from engine.comm.plan_file import read_plan
 from tests.test_comm_train import digits_db, poseidon, write_hosts, write_run  # noqa: F401
 
+pytestmark = pytest.mark.numpy_kernels
+
 
 @pytest.fixture
 def full_disk(tmp_path):

@@ -8,10 +8,13 @@ import re
 import time
 
 import numpy as np
+import pytest
 
 from engine.perf.trace import LayerTime, Trace
 from tests.test_comm_train import (digits_db, poseidon, write_hosts,  # noqa: F401
                                    write_run)
+
+pytestmark = pytest.mark.numpy_kernels
 
 #: the digits net of tests/test_comm_train.py, layer by layer
 LAYERS = ["data", "conv1", "relu0", "ip1", "relu1", "ip2", "loss"]

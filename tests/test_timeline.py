@@ -12,6 +12,8 @@ from engine import timeline
 from engine.timeline import Timeline, check_nesting, merge
 from tests.test_comm_train import digits_db, poseidon, write_hosts, write_run  # noqa: F401
 
+pytestmark = pytest.mark.numpy_kernels
+
 
 def test_events_nest_per_thread_and_overlaps_are_caught(tmp_path):
     tl = Timeline(tmp_path / "t.json", "test", "p0")
