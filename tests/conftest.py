@@ -30,6 +30,23 @@ def pytest_configure(config: pytest.Config) -> None:
     if sys.dont_write_bytecode and not hasattr(config, "workerinput"):
         for folder in ("engine", "poseidon_cli"):
             compileall.compile_dir(ROOT / folder, quiet=1)
+    _own_ports(getattr(config, "workerinput", None))
+
+
+def _own_ports(workerinput: dict | None) -> None:
+    """Each pytest-xdist worker draws its ports from a slice of the range of its own
+    (POSEIDON_PORTS, which the jobs its tests start inherit): ports probed free are released
+    before the workers bind them, and two tests running at once on two workers once drew the
+    same ones ("cannot bind port 27305 (held by pid 26236 (python))"). One worker runs one
+    test at a time, so its jobs never meet another's."""
+    if not workerinput or "POSEIDON_PORTS" in os.environ:
+        return
+    from poseidon_cli.launch.hostfile import PORTS
+    index = int(workerinput["workerid"].removeprefix("gw"))
+    count = int(workerinput["workercount"])
+    width = (PORTS[1] - PORTS[0]) // count
+    low = PORTS[0] + index * width
+    os.environ["POSEIDON_PORTS"] = f"{low}-{low + width}"
 
 
 def shared_path(*parts: str) -> Path:

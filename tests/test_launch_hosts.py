@@ -117,3 +117,21 @@ def test_the_example_of_two_machines_with_four_gpus():
     entries = parse_hosts(ROOT / "models" / "hosts" / "two_machines_4gpus.txt")
     assert [[(e.host, e.port) for e in m] for m in machines(entries)] == [
         [(host, 9000 + 2 * i) for i in range(4)] for host in ("192.0.2.10", "192.0.2.11")]
+
+
+def test_ports_probed_free_come_from_poseidon_ports(monkeypatch):
+    from poseidon_cli.launch.hostfile import PORTS, port_range, reserve_ports
+    monkeypatch.delenv("POSEIDON_PORTS", raising=False)
+    assert port_range() == PORTS
+    monkeypatch.setenv("POSEIDON_PORTS", "25000-25040")
+    for _ in range(5):
+        base, held = reserve_ports(4)
+        for s in held:
+            s.close()
+        assert 25000 <= base and base + 8 <= 25040
+    with pytest.raises(HostsError, match="holds fewer than the 44 ports 22 workers need"):
+        reserve_ports(22)
+    for bad in ("25000", "30000-20000", "80-90", "a-b"):
+        monkeypatch.setenv("POSEIDON_PORTS", bad)
+        with pytest.raises(HostsError, match=f"POSEIDON_PORTS='{bad}': expected LOW-HIGH"):
+            port_range()

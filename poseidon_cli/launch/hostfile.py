@@ -14,6 +14,7 @@ reserved while it draws them, so two draws at once do not collide.
 """
 from __future__ import annotations
 
+import os
 import random
 import socket
 from pathlib import Path
@@ -27,6 +28,26 @@ from engine.comm.hosts import (
 )
 
 DEFAULT_PORT = 9999
+#: where ports probed free are drawn: below the kernel's ephemeral range (32768..), where
+#: outgoing connections cannot take them; POSEIDON_PORTS=LOW-HIGH narrows it (a firewall's
+#: open range; the test suite gives each of its parallel workers a slice of its own)
+PORTS = (20000, 32000)
+
+
+def port_range() -> tuple[int, int]:
+    """(low, high) of the ports drawn here: POSEIDON_PORTS, else ``PORTS``."""
+    text = os.environ.get("POSEIDON_PORTS", "").strip()
+    if not text:
+        return PORTS
+    low, sep, high = text.partition("-")
+    try:
+        lo, hi = int(low), int(high)
+    except ValueError:
+        lo = hi = 0
+    if not sep or not 1024 <= lo < hi <= 65535:
+        raise HostsError(f"POSEIDON_PORTS={text!r}: expected LOW-HIGH between 1024 and 65535, "
+                         f"such as {PORTS[0]}-{PORTS[1]}")
+    return lo, hi
 #: a sanity bound on one machine's workers (a typo such as slots=800 is named)
 MAX_SLOTS = 256
 _FORMATS = "'<id> <ip> <port>' or '<ip>[:<port>] [slots=N]'"
@@ -128,11 +149,15 @@ def reserve_ports(n: int, host: str = "127.0.0.1",
     hold them bound (not listening) until closed: workers of one machine that probe at once
     cannot draw the same ports. ``avoid``: ports already promised (a rendezvous port).
 
-    Drawn below the kernel's ephemeral range, where outgoing connections cannot take it.
+    Drawn from ``port_range()``.
     """
+    low, high = port_range()
+    if high - low < 2 * n:
+        raise HostsError(f"POSEIDON_PORTS={low}-{high} holds fewer than the {2 * n} ports "
+                         f"{n} workers need")
     rng = random.Random()
     for _ in range(200):
-        base = rng.randrange(20000, 32000 - 2 * n)
+        base = rng.randrange(low, high - 2 * n + 1)
         if avoid.intersection(range(base, base + 2 * n)):
             continue
         socks: list[socket.socket] = []
@@ -145,7 +170,7 @@ def reserve_ports(n: int, host: str = "127.0.0.1",
         except OSError:
             for s in socks:
                 s.close()
-    raise HostsError(f"no {2 * n} consecutive free ports on {host} in 20000..32000")
+    raise HostsError(f"no {2 * n} consecutive free ports on {host} in {low}..{high}")
 
 
 def free_base_port(n: int, host: str = "127.0.0.1") -> int:

@@ -38,6 +38,7 @@ from engine.comm.errors import CommError
 from engine.comm.hosts import local_addresses
 
 from ...job_config import JobConfig
+from ..hostfile import port_range
 from .children import Children
 from .events import EventLog
 from .generations import BatchFacts, ElasticState, GenState, Worker, WorkerState
@@ -84,7 +85,7 @@ class Driver:
                 self._sock.bind(f"tcp://*:{port}")
                 self.port = port
             else:
-                self.port = self._sock.bind_to_random_port("tcp://*", 20000, 32000)
+                self.port = self._sock.bind_to_random_port("tcp://*", *port_range())
         except zmq.ZMQError as e:
             self._close_sockets()
             raise CommError(f"elastic driver: cannot bind port {port}: {e}") from None
