@@ -33,14 +33,12 @@ def use_gpu(device: int, math: str = "fast") -> None:
     clear error when there is no GPU."""
     global _device
     from .kernels import cudnn_conv
-    if math not in cudnn_conv.MATHS:
-        raise ValueError(f"--gpu-math must be one of {', '.join(cudnn_conv.MATHS)}, got {math!r}")
+    cudnn_conv.set_math(math)  # a bad mode is refused before any GPU is touched
     if not cupy_available():
         raise RuntimeError(f"--gpu {device}: CuPy with a CUDA GPU is not available on this machine "
                            "(pip install -e '.[gpu]' in Poseidon's checkout)")
     _cupy.cuda.Device(device).use()
     _device = device
-    cudnn_conv.set_math(math)
     _set_matmul_tf32(math == "tf32")
 
 

@@ -23,7 +23,7 @@ from engine.comm.schemes import ENGINE_SCHEMES, SCHEMES
 from engine.comm.chunks import DEFAULT_CHUNK_BYTES
 from engine.comm.shard import DEFAULT_THREADS as DEFAULT_SHARD_THREADS
 
-from engine.kernels.cudnn_conv import MATHS
+from engine.kernels.cudnn_conv import DEFAULT_MATH, MATHS
 
 from .options import GPU_MATH
 
@@ -129,7 +129,7 @@ class JobConfig:
     gpus: tuple[int, ...] | None = None
     #: --gpus: local worker i of every machine takes gpus[i] (one worker per GPU)
     pin_gpus: bool = False
-    gpu_math: str = option("fast", "--gpu-math", **GPU_MATH)
+    gpu_math: str = option(DEFAULT_MATH, "--gpu-math", **GPU_MATH)
     stats: str | None = option(None, "--stats", type=click.Path(dir_okay=False),
                                help="Write communication counters as JSON here.")
     #: SIGINT / SIGTERM / SIGHUP -> stop | snapshot | none (Caffe's -sigint_effect...)

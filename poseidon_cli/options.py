@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import click
 
-from engine.kernels.cudnn_conv import MATHS
+from engine.kernels.cudnn_conv import DEFAULT_MATH, MATHS
 
 from .console import fail
 
@@ -20,7 +20,7 @@ GPU_MATH = dict(
 
 
 def gpu_math_option(command: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option("--gpu-math", default="fast", **GPU_MATH)(command)  # type: ignore
+    return click.option("--gpu-math", default=DEFAULT_MATH, **GPU_MATH)(command)  # type: ignore
 
 def parse_workers(text: str) -> list[int]:
     """'1,2,4,8' or '1-16' (every count) or a mix: '1,2,4-8'."""

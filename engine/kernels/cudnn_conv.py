@@ -59,7 +59,8 @@ MATH_LINES = {
     "strict": "direct float32 sums only (no FFT, Winograd or TF32): NumPy's numerics",
     "tf32": "TF32 tensor cores allowed in convolutions and matrix products (10-bit mantissas)",
 }
-_math = "fast"
+DEFAULT_MATH = "fast"
+_math = DEFAULT_MATH
 TIMED_RUNS = 3
 _graphs: dict[tuple, "_Graph | Exception"] = {}
 
@@ -99,7 +100,7 @@ def set_math(mode: str) -> None:
     """Choose the plans later convolutions take (``MATHS``); graphs built before keep theirs."""
     global _math
     if mode not in MATHS:
-        raise ValueError(f"GPU math mode must be one of {', '.join(MATHS)}, got {mode!r}")
+        raise ValueError(f"--gpu-math must be one of {', '.join(MATHS)}, got {mode!r}")
     _math = mode
 
 
