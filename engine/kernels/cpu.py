@@ -13,26 +13,30 @@ the reference, and these are used only when Numba imports (``pip install -e '.[f
 the checkout) and POSEIDON_NUMBA is not 0. Compiled code is cached on disk, so the
 compilation (about a second per kernel and dtype) is paid once per machine: by `poseidon
 warmup` or `poseidon train` ahead of time (``warm``), or by the first use, which says so once.
+
+Numba itself is imported on the first call of a kernel, not with this module: importing it
+costs 0.3 s of CPU, and most processes that import the engine never run a kernel (a
+launcher, a shard, `simulate`, a run on the NumPy forms).
 """
 from __future__ import annotations
 
+import importlib.util
 import os
+import threading
 from typing import Any, Callable
 
 import numpy as np
 
 from .. import glog
 
-try:  # optional: without it the NumPy forms serve
-    import numba
-    from numba.core import event as numba_event
-except ImportError:  # pragma: no cover - depends on the install
-    numba = None
+#: Numba's module once a kernel has been called (``_realise``); None before, or without it
+numba: Any = None
+_INSTALLED = importlib.util.find_spec("numba") is not None  # optional: NumPy forms serve
 
 
 def available() -> bool:
     """True when the compiled forms are to be used."""
-    return numba is not None and os.environ.get("POSEIDON_NUMBA", "1") != "0"
+    return _INSTALLED and os.environ.get("POSEIDON_NUMBA", "1") != "0"
 
 
 #: error_model "numpy": IEEE division (x/0 is inf, as in NumPy) instead of Python's check for
@@ -78,31 +82,76 @@ def _compiling(dispatcher: Any, args: Any) -> None:
                   "them all ahead of time")
 
 
-if numba is not None:
-    class _CompileListener(numba_event.Listener):
-        """Numba's "numba:compile" event starts only on a disk-cache miss: a real compile."""
+class _Deferred:
+    """A kernel or inner loop as written, standing in its module's namespace until the first
+    call of any kernel; ``_realise`` then replaces every one of them there by its Numba
+    dispatcher, before anything compiles, since a compiled kernel finds the loops it inlines
+    among its globals."""
 
-        def on_start(self, event: Any) -> None:
-            _compiling(event.data["dispatcher"], event.data["args"])
+    def __init__(self, fn: Any, options: dict[str, Any], kernel: bool) -> None:
+        self.py_func, self.options, self.kernel = fn, options, kernel
 
-        def on_end(self, event: Any) -> None:
-            pass
+    def __call__(self, *args: Any) -> Any:
+        _realise()
+        return self.py_func.__globals__[self.py_func.__name__](*args)
 
-    numba_event.register("numba:compile", _CompileListener())
+
+_DEFERRED: list[_Deferred] = []
+_realised = threading.Lock()
+
+
+def _realise() -> None:
+    global numba
+    with _realised:
+        if numba is not None:
+            return
+        import numba as nb
+        from numba.core import event as numba_event
+
+        class _CompileListener(numba_event.Listener):
+            """Numba's "numba:compile" event starts only on a disk-cache miss: a real compile."""
+
+            def on_start(self, event: Any) -> None:
+                _compiling(event.data["dispatcher"], event.data["args"])
+
+            def on_end(self, event: Any) -> None:
+                pass
+
+        numba_event.register("numba:compile", _CompileListener())
+        numba = nb
+        for d in _DEFERRED:
+            _compile(d)
+        _DEFERRED.clear()
+
+
+def _compile(d: _Deferred) -> Any:
+    """``d``'s dispatcher (Numba compiles it at its first call), in ``d``'s place."""
+    dispatcher = numba.njit(**d.options)(d.py_func)
+    d.py_func.__globals__[d.py_func.__name__] = dispatcher
+    if d.kernel:
+        KERNELS.append(dispatcher)
+    return dispatcher
+
+
+def _defer(fn: Any, kernel: bool, **options: Any) -> Any:
+    if not _INSTALLED:
+        return fn
+    d = _Deferred(fn, {**_OPTIONS, **options}, kernel)
+    with _realised:
+        if numba is None:
+            _DEFERRED.append(d)
+            return d
+    return _compile(d)  # a module imported after the first kernel ran (winograd's, say)
 
 
 def jit(fn: Any) -> Any:
     """A compiled kernel (cached on disk, GIL released); ``fn`` itself without Numba."""
-    if numba is None:
-        return fn
-    kernel = numba.njit(cache=True, nogil=True, **_OPTIONS)(fn)
-    KERNELS.append(kernel)
-    return kernel
+    return _defer(fn, True, cache=True, nogil=True)
 
 
 def inline(fn: Any) -> Any:
     """An inner loop, inlined into its caller (a call per window row costs more than its work)."""
-    return numba.njit(inline="always", **_OPTIONS)(fn) if numba else fn
+    return _defer(fn, False, inline="always")
 
 
 @inline

@@ -150,8 +150,10 @@ def engine_in_use() -> str:
 def blas_in_use() -> str:
     """The BLAS this process calls, its kernel and threads (threadpoolctl), and the CPU
     kernels in use: what an engine time depends on."""
+    from importlib.metadata import version
+
     from engine.kernels import cpu as compiled
-    kernels = (f"compiled kernels: numba {compiled.numba.__version__}" if compiled.available()
+    kernels = (f"compiled kernels: numba {version('numba')}" if compiled.available()
                else "kernels: NumPy")
     try:
         from threadpoolctl import threadpool_info
