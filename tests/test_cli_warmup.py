@@ -55,6 +55,40 @@ def test_warm_reaches_every_kernel():
         assert {"float32", "float64"} <= kinds, kernel.py_func.__name__
 
 
+_LAZY = """
+import sys
+import numpy as np
+import engine.solver, engine.layer_types, poseidon_cli.launch.worker, poseidon_cli.launch.shard
+from engine.kernels import cpu
+assert "numba" not in sys.modules, "imported with the engine"
+first = sys.argv[1]
+if first == "cpu":
+    cpu.momentum_step(np.zeros(3, np.float32), np.ones(3, np.float32), np.float32(0.5),
+                      np.float32(2))
+    assert "numba" in sys.modules
+from engine.layers import winograd
+winograd.warm(np.dtype(np.float32))  # loaded after the first kernel ran, or before it
+cpu.warm(np.dtype(np.float32))
+assert {type(k).__name__ for k in cpu.KERNELS} == {"CPUDispatcher"}, cpu.KERNELS
+print(" ".join(k.py_func.__name__ for k in cpu.KERNELS))
+"""
+
+
+@pytest.mark.parametrize("first", ["cpu", "winograd"])
+def test_numba_is_imported_at_the_first_kernel_call(first, tmp_path):
+    """Importing the engine (a launcher, a shard, a worker on the NumPy forms) does not import
+    Numba; the first kernel call does, and every kernel is compiled then, those of a module
+    imported afterwards too."""
+    env = {k: v for k, v in os.environ.items() if k != "POSEIDON_NUMBA"}
+    env["NUMBA_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", _LAZY, first], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(done.stdout.split()) == ["_im2col", "_images_last", "_lrn_backward",
+                                           "_lrn_forward", "_max_pool_backward",
+                                           "_momentum_step", "_outputs", "_tiles"]
+
+
 @pytest.mark.slow
 def test_warmup_then_train_compiles_nothing(tmp_path):
     first = run(tmp_path / "cache", "warmup", "--dtype", "float32")
