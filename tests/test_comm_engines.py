@@ -303,15 +303,18 @@ class _Host:
 
 
 @pytest.mark.parametrize("path", ["at release", "from the progress thread"])
-@pytest.mark.parametrize("signal_floats", [3, (256 << 10) // 4],
-                         ids=["signals behind the gradients", "signals apart"])
-def test_two_ranks_sum_in_one_order_and_agree_on_every_signal(signal_floats, path):
+@pytest.mark.parametrize("signal_params, apart", [((3,), False), (((256 << 10) // 4,), True),
+                                                  (((128 << 10) // 4,) * 2, False)],
+                         ids=["signals behind the gradients", "signals apart",
+                              "signals behind a large gathered unit"])
+def test_two_ranks_sum_in_one_order_and_agree_on_every_signal(signal_params, apart, path):
     """The engine layer's multi-rank logic with an in-process engine: three units a round, the
     progress threads of the two ranks start them in other orders, and each is summed in the
     one order; the signal one rank raised reaches both, whether it rides behind the signal
-    unit or in an op of its own. Host gradients are issued at release; a GPU's (staged) and
-    NCCL's from the progress thread."""
-    from engine.comm.units import LayerSlot, ParamSlot, Unit
+    unit or in an op of its own (a large unit summed where it lies: one contiguous diff; one
+    of two parameters is gathered into a vector anyway, and carries them behind). Host
+    gradients are issued at release; a GPU's (staged) and NCCL's from the progress thread."""
+    from engine.comm.units import LayerSlot, ParamSlot, Unit, gather
 
     class Blob:
         def __init__(self, n: int, v: float) -> None:
@@ -321,11 +324,12 @@ def test_two_ranks_sum_in_one_order_and_agree_on_every_signal(signal_floats, pat
     hosts, schemes = [], []
     for rank in range(2):
         host = _Host(rank)
-        units = [Unit([LayerSlot(i, f"l{i}", [ParamSlot(i, f"l{i}/0",
-                                                        Blob(n, rank + i))])], "hub")
-                 for i, n in ((1, signal_floats), (2, 5), (3, 7))]
+        units = [Unit([LayerSlot(i, f"l{i}", [ParamSlot(i, f"l{i}/{k}", Blob(n, rank + i))
+                                              for k, n in enumerate(sizes)])], "hub")
+                 for i, sizes in ((1, signal_params), (2, (5,)), (3, (7,)))]
         hosts.append(host)
         schemes.append((_HubScheme(host, units, 1 << 20), units))
+    ops_before = HUB.count[0]
     try:
         for rnd in range(2):
             for rank, (scheme, units) in enumerate(schemes):
@@ -343,7 +347,7 @@ def test_two_ranks_sum_in_one_order_and_agree_on_every_signal(signal_floats, pat
                         def finish(total, agreed, u=u, rnd=rnd, diff=diff, host=hosts[rank]):
                             diff[...] = total[:diff.size] / 2  # the mean, as start's finish
                             host.done(u, rnd, agreed)
-                        scheme.sum_vector(u, rnd, 0, diff.reshape(-1), bits, finish)
+                        scheme.sum_vector(u, rnd, 0, gather(u), bits, finish)
             for host in hosts:
                 host.run_until(host.applied, 3 * (rnd + 1))
         for host in hosts:
@@ -351,6 +355,7 @@ def test_two_ranks_sum_in_one_order_and_agree_on_every_signal(signal_floats, pat
             for uid in (1, 2, 3):  # ranks 0 and 1 start with uid and uid + 1: their mean
                 assert got[(0, uid)] == ((2 * uid + 1) / 2, 0)
                 assert got[(1, uid)] == ((2 * uid + 1) / 2, 2 if uid == 1 else 0)
+        assert HUB.count[0] - ops_before == 2 * (3 + apart)  # two rounds
     finally:
         for host in hosts:
             host.collectives["hub"].close()

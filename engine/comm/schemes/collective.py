@@ -43,8 +43,11 @@ from .base import DenseScheme, Finished
 
 #: the request bits a signal unit carries, one value each behind its gradients
 SIGNAL_BITS = (pb.REQUEST_SNAPSHOT, pb.REQUEST_STOP, pb.REQUEST_OVERFLOW, pb.REQUEST_LEAVE)
-#: a signal unit this large sends its signals in an allreduce of their own: copying it into a
-#: vector with room for them behind would cost more than that small allreduce
+#: a signal unit this large that is summed where it lies (one contiguous diff) sends its
+#: signals in an allreduce of their own: copying it into a vector with room for them behind
+#: would cost more than that small allreduce. One gathered into a vector anyway (a layer with
+#: a bias, a fusion bucket) carries them behind at no cost: a second op per round cost Gloo
+#: a concurrent allreduce and MPI a serial one.
 SIGNALS_APART_BYTES = 256 << 10
 
 
@@ -118,7 +121,10 @@ class CollectiveScheme(DenseScheme):
         if self.signal_unit is not None:
             u = self.units[self.signal_unit]
             dtype = np.dtype(u.params[0].blob.diff.dtype)
-            if self.backend.on_device or u.count * dtype.itemsize >= SIGNALS_APART_BYTES:
+            gathered = not is_view(u) and all(isinstance(p.blob.diff, np.ndarray)
+                                              for p in u.params)
+            if self.backend.on_device or (u.count * dtype.itemsize >= SIGNALS_APART_BYTES
+                                          and not gathered):
                 self._signals_apart = True
                 self._ops_per_round += 1
             else:  # gathered straight into the vector that carries the bits behind it
