@@ -329,6 +329,9 @@ def test_two_ranks_sum_in_one_order_and_agree_on_every_signal(signal_params, apa
                  for i, sizes in ((1, signal_params), (2, (5,)), (3, (7,)))]
         hosts.append(host)
         schemes.append((_HubScheme(host, units, 1 << 20), units))
+        if len(signal_params) > 1:  # gathered: its diffs live in the vector that is summed
+            vec = schemes[-1][0]._buffers[1]
+            assert all(np.shares_memory(p.blob.diff, vec) for p in units[0].params)
     ops_before = HUB.count[0]
     try:
         for rnd in range(2):

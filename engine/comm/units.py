@@ -6,6 +6,7 @@ units.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable
@@ -81,7 +82,8 @@ def is_view(unit: Unit) -> bool:
 
 def gather(unit: Unit, out: np.ndarray | None = None) -> np.ndarray:
     """The unit's local gradients as one flat host vector: a view of the diff when the unit
-    is one C-contiguous NumPy parameter, else copied into ``out`` (allocated if None)."""
+    is one C-contiguous NumPy parameter, else copied into ``out`` (allocated if None), but for
+    the diffs that already lie there (``place_diffs``)."""
     params = unit.params
     if is_view(unit):
         return params[0].blob.diff.reshape(-1)
@@ -89,10 +91,40 @@ def gather(unit: Unit, out: np.ndarray | None = None) -> np.ndarray:
         out = np.empty(unit.count, dtype=np.dtype(params[0].blob.diff.dtype))
     offset = 0
     for p in params:
-        n = int(p.blob.diff.size)
-        out[offset:offset + n] = backend.to_numpy(p.blob.diff).reshape(-1)
+        diff = p.blob.diff
+        n = int(diff.size)
+        part = out[offset:offset + n]
+        if not _lies_at(diff, part):
+            part[...] = backend.to_numpy(diff).reshape(-1)
         offset += n
     return out
+
+
+def place_diffs(unit: Unit, out: np.ndarray) -> int:
+    """Move the unit's NumPy diffs into ``out`` (the unit's vector, in ``gather``'s order),
+    each diff becoming a view of its part, so that gathering the unit copies nothing: Caffe's
+    multi-GPU path lays its diffs out in one buffer for the same reason. A diff that anything
+    else holds (a shared parameter's view of it, say) stays where it is and is copied as
+    before. Returns how many diffs moved."""
+    offset, moved = 0, 0
+    for p in unit.params:
+        diff = p.blob.diff
+        n = int(diff.size)
+        # the blob's attribute, ``diff`` and getrefcount's argument: nothing else refers to
+        # it (a view of it would, through its base)
+        if isinstance(diff, np.ndarray) and diff.flags.owndata and diff.dtype == out.dtype \
+                and sys.getrefcount(diff) == 3:
+            part = out[offset:offset + n]
+            part[...] = diff.reshape(-1)
+            p.blob.diff = part.reshape(diff.shape)
+            moved += 1
+        offset += n
+    return moved
+
+
+def _lies_at(diff: Any, part: np.ndarray) -> bool:
+    return isinstance(diff, np.ndarray) and diff.flags.c_contiguous and \
+        diff.__array_interface__["data"][0] == part.__array_interface__["data"][0]
 
 
 def scatter_mean(unit: Unit, total: np.ndarray, world: int, vec: np.ndarray) -> None:

@@ -38,7 +38,7 @@ from ..cost import Device, LayerTiming
 from ..engines import Backend, Collective, EngineError, ring_time
 from ..errors import CommError
 from ..transport import WORKER, Message, PeerId
-from ..units import Unit, gather, is_view, scatter_mean
+from ..units import Unit, gather, is_view, place_diffs, scatter_mean
 from .base import DenseScheme, Finished
 
 #: the request bits a signal unit carries, one value each behind its gradients
@@ -129,6 +129,13 @@ class CollectiveScheme(DenseScheme):
                 self._ops_per_round += 1
             else:  # gathered straight into the vector that carries the bits behind it
                 self._buffers[u.id] = np.empty(u.count + len(SIGNAL_BITS), dtype)
+        # a host unit of several diffs is summed in one vector: its diffs live there
+        for u in self.units.values():
+            if not self.backend.on_device and not is_view(u) and all(
+                    isinstance(p.blob.diff, np.ndarray) for p in u.params):
+                if u.id not in self._buffers:
+                    self._buffers[u.id] = np.empty(u.count, np.dtype(u.params[0].blob.diff.dtype))
+                place_diffs(u, self._buffers[u.id])
 
     @classmethod
     def timing(cls, info: Any, world: int, link: Any, device: Device, chunk_bytes: int,

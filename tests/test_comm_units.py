@@ -1,0 +1,37 @@
+"""A unit's gradients as one vector: diffs placed in it are gathered without a copy, and a diff
+that something else holds stays where it is."""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.comm.units import LayerSlot, ParamSlot, Unit, gather, place_diffs, scatter_mean
+
+
+class Blob:
+    def __init__(self, shape: tuple[int, ...], v: float) -> None:
+        self.data = np.zeros(shape, np.float32)
+        self.diff = np.full(shape, v, np.float32)
+
+
+def test_placed_diffs_are_gathered_in_place_and_a_held_diff_is_copied():
+    blobs = [Blob((3, 2), 1.0), Blob((4,), 2.0), Blob((2, 2), 3.0)]
+    held = blobs[1].diff.reshape(2, 2)  # a view of it, as a PERMISSIVE shared parameter's
+    unit = Unit([LayerSlot(0, "a", [ParamSlot(0, "a/0", blobs[0]), ParamSlot(1, "a/1", blobs[1])]),
+                 LayerSlot(1, "b", [ParamSlot(2, "b/0", blobs[2])])], "gloo")
+    vec = np.empty(unit.count, np.float32)
+    assert place_diffs(unit, vec) == 2
+    assert np.shares_memory(blobs[0].diff, vec) and np.shares_memory(blobs[2].diff, vec)
+    assert not np.shares_memory(blobs[1].diff, vec) and np.shares_memory(held, blobs[1].diff)
+    assert blobs[0].diff.shape == (3, 2) and blobs[2].diff.shape == (2, 2)
+
+    blobs[0].diff[...] += 1  # backward accumulates into the placed diffs
+    blobs[1].diff[...] += 1
+    got = gather(unit, vec)
+    assert got is vec
+    np.testing.assert_array_equal(vec, [2] * 6 + [3] * 4 + [3] * 4)
+
+    vec *= 2  # the sum of two workers, then the mean back into every diff
+    scatter_mean(unit, vec, 2, vec)
+    for b, want in zip(blobs, (2, 3, 3)):
+        np.testing.assert_array_equal(b.diff, np.full(b.diff.shape, want, np.float32))
+    assert held[0, 0] == 3  # the held view sees its diff's mean
