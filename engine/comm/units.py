@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from functools import cached_property
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import numpy as np
@@ -106,20 +107,27 @@ def place_diffs(unit: Unit, out: np.ndarray) -> int:
     multi-GPU path lays its diffs out in one buffer for the same reason. A diff that anything
     else holds (a shared parameter's view of it, say) stays where it is and is copied as
     before. Returns how many diffs moved."""
+    # what a diff's reference count is when only its blob holds it (a view of it holds it
+    # through its base), measured the same way, since interpreters count differently
+    alone = _references(SimpleNamespace(diff=np.empty(1, out.dtype)))
     offset, moved = 0, 0
     for p in unit.params:
+        held = _references(p.blob) != alone  # before this loop holds it too
         diff = p.blob.diff
         n = int(diff.size)
-        # the blob's attribute, ``diff`` and getrefcount's argument: nothing else refers to
-        # it (a view of it would, through its base)
         if isinstance(diff, np.ndarray) and diff.flags.owndata and diff.dtype == out.dtype \
-                and sys.getrefcount(diff) == 3:
+                and not held:
             part = out[offset:offset + n]
             part[...] = diff.reshape(-1)
             p.blob.diff = part.reshape(diff.shape)
             moved += 1
         offset += n
     return moved
+
+
+def _references(blob: Any) -> int:
+    diff = blob.diff
+    return sys.getrefcount(diff)
 
 
 def _lies_at(diff: Any, part: np.ndarray) -> bool:
