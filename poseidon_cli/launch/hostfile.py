@@ -28,6 +28,9 @@ from engine.comm.hosts import (
 )
 
 DEFAULT_PORT = 9999
+#: a sanity bound on one machine's workers (a typo such as slots=800 is named)
+MAX_SLOTS = 256
+_FORMATS = "'<id> <ip> <port>' or '<ip>[:<port>] [slots=N]'"
 #: where ports probed free are drawn: below the kernel's ephemeral range (32768..), where
 #: outgoing connections cannot take them; POSEIDON_PORTS=LOW-HIGH narrows it (a firewall's
 #: open range; the test suite gives each of its parallel workers a slice of its own)
@@ -48,9 +51,6 @@ def port_range() -> tuple[int, int]:
         raise HostsError(f"POSEIDON_PORTS={text!r}: expected LOW-HIGH between 1024 and 65535, "
                          f"such as {PORTS[0]}-{PORTS[1]}")
     return lo, hi
-#: a sanity bound on one machine's workers (a typo such as slots=800 is named)
-MAX_SLOTS = 256
-_FORMATS = "'<id> <ip> <port>' or '<ip>[:<port>] [slots=N]'"
 
 
 def parse_slots(text: str, where: str) -> int:

@@ -187,6 +187,13 @@ class DenseScheme(Scheme):
         #: (`poseidon bench comm --allreduce` sets it)
         self.spans: list[float] | None = None
 
+    def _host_vector(self, unit: Unit) -> np.ndarray:
+        """The unit's host gradients as one vector: gathered into a buffer the unit keeps
+        across rounds (its diffs themselves when it is one contiguous diff)."""
+        if unit.id not in self._buffers and not is_view(unit):
+            self._buffers[unit.id] = np.empty(unit.count, np.dtype(unit.params[0].blob.diff.dtype))
+        return gather(unit, self._buffers.get(unit.id))
+
     def capture(self, unit: Unit, rnd: int, bits: int) -> Staged | None:
         # a GPU's gradients start for the host now, beside the backward of the layers below
         return self._staging.begin(unit)
@@ -195,10 +202,7 @@ class DenseScheme(Scheme):
         if captured is not None:
             vec = captured.wait()
         else:
-            if unit.id not in self._buffers and not is_view(unit):
-                self._buffers[unit.id] = np.empty(unit.count,
-                                                  np.dtype(unit.params[0].blob.diff.dtype))
-            vec = gather(unit, self._buffers.get(unit.id))
+            vec = self._host_vector(unit)
         world = self.host.world  # the mean over every worker, whatever the levels
         spans, began = self.spans, time.perf_counter()
 

@@ -38,7 +38,7 @@ from ..cost import Device, LayerTiming
 from ..engines import Backend, Collective, EngineError, ring_time
 from ..errors import CommError
 from ..transport import WORKER, Message, PeerId
-from ..units import Unit, gather, is_view, place_diffs, scatter_mean
+from ..units import Unit, is_view, place_diffs, scatter_mean
 from .base import DenseScheme, Finished
 
 #: the request bits a signal unit carries, one value each behind its gradients
@@ -118,24 +118,23 @@ class CollectiveScheme(DenseScheme):
         #: the signals travel in an allreduce of their own, last in each round, where
         #: copying the signal unit into a longer vector would cost more
         self._signals_apart = False
+        #: host units of several diffs: summed in one vector of ours, where their diffs live
+        gathered = [] if self.backend.on_device else [
+            u for u in self.units.values()
+            if not is_view(u) and all(isinstance(p.blob.diff, np.ndarray) for p in u.params)]
         if self.signal_unit is not None:
             u = self.units[self.signal_unit]
             dtype = np.dtype(u.params[0].blob.diff.dtype)
-            gathered = not is_view(u) and all(isinstance(p.blob.diff, np.ndarray)
-                                              for p in u.params)
             if self.backend.on_device or (u.count * dtype.itemsize >= SIGNALS_APART_BYTES
-                                          and not gathered):
+                                          and u not in gathered):
                 self._signals_apart = True
                 self._ops_per_round += 1
             else:  # gathered straight into the vector that carries the bits behind it
                 self._buffers[u.id] = np.empty(u.count + len(SIGNAL_BITS), dtype)
-        # a host unit of several diffs is summed in one vector: its diffs live there
-        for u in self.units.values():
-            if not self.backend.on_device and not is_view(u) and all(
-                    isinstance(p.blob.diff, np.ndarray) for p in u.params):
-                if u.id not in self._buffers:
-                    self._buffers[u.id] = np.empty(u.count, np.dtype(u.params[0].blob.diff.dtype))
-                place_diffs(u, self._buffers[u.id])
+        for u in gathered:
+            if u.id not in self._buffers:
+                self._buffers[u.id] = np.empty(u.count, np.dtype(u.params[0].blob.diff.dtype))
+            place_diffs(u, self._buffers[u.id])
 
     @classmethod
     def timing(cls, info: Any, world: int, link: Any, device: Device, chunk_bytes: int,
@@ -155,10 +154,7 @@ class CollectiveScheme(DenseScheme):
         staged = super().capture(unit, rnd, bits)
         if staged is not None:
             return staged
-        if unit.id not in self._buffers and not is_view(unit):
-            self._buffers[unit.id] = np.empty(unit.count,
-                                              np.dtype(unit.params[0].blob.diff.dtype))
-        vec = gather(unit, self._buffers.get(unit.id))
+        vec = self._host_vector(unit)
         issued = _Issued(self.host, time.perf_counter())
         issued.vec, issued.flags = self._issue(unit, rnd, vec, bits, issued.completed)
         if issued.complete():  # summed on this thread: the syncer applies it here too
