@@ -31,6 +31,7 @@ from engine.comm.cost import LayerInfo
 from engine.comm.link import Link
 from engine.comm.planner import EngineMismatch, PlanMismatch, PlanOptions, make_plan, pin_plan
 from engine.comm.engines import Backend, Collective, EngineCost, ring_link, ring_time
+from engine.comm.schemes.base import Finished
 from engine.comm.schemes.collective import SIGNAL_BITS, CollectiveScheme
 from engine.comm.schemes.gloo import GlooBackend
 from engine.comm.schemes.mpi import MpiBackend
@@ -211,6 +212,30 @@ def test_a_blocking_engines_small_op_in_its_turn_is_summed_by_the_thread_that_su
         c.close()
 
 
+class _SlowRecorder(_InlineRecorder):
+    def start(self, vec):
+        if int(vec[0]) < 2:
+            time.sleep(0.2)  # the engine thread is still busy when the last op comes
+        return super().start(vec)
+
+
+def test_a_blocking_engines_last_op_waits_here_for_its_turn_and_is_summed_here():
+    """The round's last op (``here``), whatever its size: it waits for the ops before it,
+    which the engine thread sums, and is then summed on the thread that submitted it."""
+    c = Collective(_SlowRecorder, b"", 0, 2, "127.0.0.1", 5.0, lambda why: None)
+    me = threading.current_thread().name
+    try:
+        done = threading.Semaphore(0)
+        for seq in (0, 1):
+            c.submit(seq, np.full(100, seq), done.release, f"large {seq}")
+        c.submit(2, np.full(100, 2), done.release, "the last, large", here=True)
+        assert done.acquire(timeout=0) and done.acquire(timeout=0) and done.acquire(timeout=0)
+        assert c.backend.order == [0, 1, 2]
+        assert [c.backend.ran_on[k] for k in range(3)] == ["poseidon-recorder"] * 2 + [me]
+    finally:
+        c.close()
+
+
 class _Hub:
     """Two in-process ranks' engine: op k of each rank is summed in rank order when both came."""
 
@@ -291,6 +316,9 @@ class _Host:
     def done(self, unit, rnd: int, bits: int) -> None:
         self.applied.append((rnd, unit.id, float(unit.params[0].blob.diff[0]), bits))
 
+    def raise_if_failed(self) -> None:
+        pass
+
     def run_until(self, done: list, n: int) -> None:
         """The progress loop: run posted completions until ``done`` holds ``n``."""
         deadline = time.monotonic() + 10
@@ -303,17 +331,20 @@ class _Host:
 
 
 @pytest.mark.parametrize("path", ["at release", "from the progress thread"])
-@pytest.mark.parametrize("signal_params, apart", [((3,), False), (((256 << 10) // 4,), True),
-                                                  (((128 << 10) // 4,) * 2, False)],
-                         ids=["signals behind the gradients", "signals apart",
-                              "signals behind a large gathered unit"])
-def test_two_ranks_sum_in_one_order_and_agree_on_every_signal(signal_params, apart, path):
+@pytest.mark.parametrize("signal_params, held, apart", [
+    ((3,), False, False), (((256 << 10) // 4,), True, True),
+    (((256 << 10) // 4,), False, False), (((128 << 10) // 4,) * 2, False, False)],
+    ids=["signals behind the gradients", "signals apart", "signals behind a large diff placed",
+         "signals behind a large gathered unit"])
+def test_two_ranks_sum_in_one_order_and_agree_on_every_signal(signal_params, held, apart, path):
     """The engine layer's multi-rank logic with an in-process engine: three units a round, the
     progress threads of the two ranks start them in other orders, and each is summed in the
     one order; the signal one rank raised reaches both, whether it rides behind the signal
-    unit or in an op of its own (a large unit summed where it lies: one contiguous diff; one
-    of two parameters is gathered into a vector anyway, and carries them behind). Host
-    gradients are issued at release; a GPU's (staged) and NCCL's from the progress thread."""
+    unit or in an op of its own (a large diff that something else holds, which cannot move
+    into the vector with room for them; a large diff that can, or one of two parameters
+    gathered into a vector anyway, carries them behind). Host gradients are issued at
+    release, and the round's last unit is summed and applied on the training thread; a GPU's
+    (staged) and NCCL's from the progress thread."""
     from engine.comm.units import LayerSlot, ParamSlot, Unit, gather
 
     class Blob:
@@ -328,29 +359,52 @@ def test_two_ranks_sum_in_one_order_and_agree_on_every_signal(signal_params, apa
                                               for k, n in enumerate(sizes)])], "hub")
                  for i, sizes in ((1, signal_params), (2, (5,)), (3, (7,)))]
         hosts.append(host)
+        views = [p.blob.diff[:1] for p in units[0].params] if held else []
         schemes.append((_HubScheme(host, units, 1 << 20), units))
-        if len(signal_params) > 1:  # gathered: its diffs live in the vector that is summed
+        if not apart:  # its diffs live in the vector that is summed, the signals behind them
             vec = schemes[-1][0]._buffers[1]
+            assert vec.size == units[0].count + len(SIGNAL_BITS)
             assert all(np.shares_memory(p.blob.diff, vec) for p in units[0].params)
+        assert all(v.base is p.blob.diff for v, p in zip(views, units[0].params))
     ops_before = HUB.count[0]
+    def backward(rank: int, rnd: int, bits: int, released: dict) -> None:
+        """A rank's training thread: each unit released, the highest first; the last one
+        (the signal unit) is summed and applied on this thread, as the syncer does."""
+        scheme, units = schemes[rank]
+        for u in units[::-1]:
+            got = scheme.capture(u, rnd, bits)
+            if isinstance(got, Finished):
+                hosts[rank].done(u, rnd, got.bits)
+            else:
+                released[u.id] = got
+
     try:
         for rnd in range(2):
+            released: list[dict] = [{}, {}]
+            bits = [0, 2 if rnd == 1 else 0]  # rank 1 raises STOP in round 1
+            if path == "at release":  # the two ranks' backwards at once
+                threads = [threading.Thread(target=backward, args=(r, rnd, bits[r], released[r]))
+                           for r in range(2)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(10)
+                assert not any(t.is_alive() for t in threads)
+                assert all(set(got) == {2, 3} for got in released)  # the signal unit applied
             for rank, (scheme, units) in enumerate(schemes):
-                bits = 2 if (rank, rnd) == (1, 1) else 0  # rank 1 raises STOP in round 1
-                released = {u.id: scheme.capture(u, rnd, bits) if path == "at release"
-                            else None for u in units[::-1]}  # backward: the highest first
                 # rank 0's progress thread starts them in another order
                 order = units[::-1] if rank == 1 else [units[1], units[0], units[2]]
                 for u in order:
                     if path == "at release":
-                        scheme.start(u, rnd, bits, released[u.id])
+                        if u.id in released[rank]:
+                            scheme.start(u, rnd, bits[rank], released[rank][u.id])
                     else:
                         diff = u.params[0].blob.diff
 
                         def finish(total, agreed, u=u, rnd=rnd, diff=diff, host=hosts[rank]):
                             diff[...] = total[:diff.size] / 2  # the mean, as start's finish
                             host.done(u, rnd, agreed)
-                        scheme.sum_vector(u, rnd, 0, gather(u), bits, finish)
+                        scheme.sum_vector(u, rnd, 0, gather(u), bits[rank], finish)
             for host in hosts:
                 host.run_until(host.applied, 3 * (rnd + 1))
         for host in hosts:

@@ -160,6 +160,8 @@ class Collective:
         self._next = 0
         self._early: dict[int, tuple[Any, Callable[[], None], str]] = {}
         self._order = threading.Lock()
+        #: notified under ``_order`` whenever an op's turn comes (``_take_here`` waits for it)
+        self._turn = threading.Condition(self._order)
         self._closed = False
         self.failed: str | None = None
         enter = backend.thread_context()
@@ -185,14 +187,20 @@ class Collective:
             raise EngineError(f"{self.name}: {what} failed: {_first_line(box['error'])}")
         return box["value"]
 
-    def submit(self, seq: int, vec: Any, done: Callable[[], None], what: str) -> None:
+    def submit(self, seq: int, vec: Any, done: Callable[[], None], what: str,
+               here: bool = False) -> None:
         """Allreduce ``vec`` in place as operation ``seq`` of the job's one order (0, 1, 2,
         ...); ``done()`` once complete (on an engine's thread, or on this one). A blocking
         engine's ops go to the engine thread, but a small one is summed here when it is its
-        turn and that thread is idle; another engine's are issued here when it is their turn
-        (a thread hand-off at every release costs a scheduling delay where the cores are busy
-        with backward), else by the op before them."""
+        turn and that thread is idle, and one submitted ``here`` waits here for its turn and
+        is summed here, whatever its size (the round's last: its caller waits for it anyway);
+        another engine's are issued here when it is their turn (a thread hand-off at every
+        release costs a scheduling delay where the cores are busy with backward), else by
+        the op before them."""
         if self.backend_class.blocking:
+            if here:
+                self._take_here(seq, vec, done, what)
+                return
             if vec.nbytes <= self.backend_class.inline_bytes and self._order.acquire(False):
                 try:  # its turn: every op before it is issued, and so complete
                     if self._next == seq:
@@ -205,11 +213,24 @@ class Collective:
         with self._order:
             self._take(seq, vec, done, what)
 
+    def _take_here(self, seq: int, vec: Any, done: Callable[[], None], what: str) -> None:
+        """A blocking engine's op ``seq`` issued on this thread once every op before it is
+        complete (the engine thread issues those, and says when each is)."""
+        deadline = time.monotonic() + self.timeout
+        with self._turn:
+            while self._next != seq and self.failed is None:
+                if time.monotonic() > deadline:
+                    raise EngineError(f"{self.name}: {what} waited {self.timeout:g} s for the "
+                                      "allreduces before it")
+                self._turn.wait(0.5)
+            self._take(seq, vec, done, what)
+
     def _take(self, seq: int, vec: Any, done: Callable[[], None], what: str) -> None:
         """Hold op ``seq``, then issue every op whose turn it is (under ``_order``)."""
         self._early[seq] = (vec, done, what)
         while self._next in self._early and self.failed is None:
             self._issue(*self._early.pop(self._next))
+        self._turn.notify_all()
 
     def _issue(self, vec: Any, on_done: Callable[[], None], what: str) -> None:
         self._next += 1

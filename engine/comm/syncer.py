@@ -226,7 +226,7 @@ class Syncer:
         unit = self._unit_of.get(layer)
         if unit is None:
             return
-        self._raise_if_failed()
+        self.raise_if_failed()
         t = now()
         with self._cond:
             rnd = self._released[layer]
@@ -256,9 +256,9 @@ class Syncer:
         start = tl.now()
         with self._cond:
             while self._applied[layer] < self._released[layer]:
-                self._raise_if_failed()
+                self.raise_if_failed()
                 self._cond.wait(0.5)
-        self._raise_if_failed()
+        self.raise_if_failed()
         waited = now() - t
         if waited > 0:
             self.stats.add_wait(self._unit_of[layer].id, waited)
@@ -410,8 +410,9 @@ class Syncer:
             self.on_round_done(rnd)
 
     # ------------------------------------------------------------------- internals
-    def _raise_if_failed(self) -> None:
-        """On the training thread: raise the recorded error (the process will exit cleanly)."""
+    def raise_if_failed(self) -> None:
+        """On the training thread (a scheme's ``capture`` too): raise the recorded error (the
+        process will exit cleanly)."""
         if self.ep.error is not None:
             self.ep.disarm()
             raise CommError(self.ep.error)

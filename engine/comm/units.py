@@ -95,7 +95,7 @@ def gather(unit: Unit, out: np.ndarray | None = None) -> np.ndarray:
         diff = p.blob.diff
         n = int(diff.size)
         part = out[offset:offset + n]
-        if not _lies_at(diff, part):
+        if not lies_at(diff, part):
             part[...] = backend.to_numpy(diff).reshape(-1)
         offset += n
     return out
@@ -130,7 +130,7 @@ def _references(blob: Any) -> int:
     return sys.getrefcount(diff)
 
 
-def _lies_at(diff: Any, part: np.ndarray) -> bool:
+def lies_at(diff: Any, part: np.ndarray) -> bool:
     return isinstance(diff, np.ndarray) and diff.flags.c_contiguous and \
         diff.__array_interface__["data"][0] == part.__array_interface__["data"][0]
 

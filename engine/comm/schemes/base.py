@@ -59,6 +59,9 @@ class Host(Protocol):
     def done(self, unit: Unit, rnd: int, bits: int) -> None:
         """The mean gradient of ``unit``'s round ``rnd`` is in its diffs: apply the update."""
 
+    def raise_if_failed(self) -> None:
+        """On the training thread: raise the job's error, once it has one (CommError)."""
+
 
 class Finished:
     """``capture``'s answer for a round it completed on the training thread: the mean is in

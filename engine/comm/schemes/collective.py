@@ -38,16 +38,16 @@ from ..cost import Device, LayerTiming
 from ..engines import Backend, Collective, EngineError, ring_time
 from ..errors import CommError
 from ..transport import WORKER, Message, PeerId
-from ..units import Unit, is_view, place_diffs, scatter_mean
+from ..units import Unit, is_view, lies_at, place_diffs, scatter_mean
 from .base import DenseScheme, Finished
 
 #: the request bits a signal unit carries, one value each behind its gradients
 SIGNAL_BITS = (pb.REQUEST_SNAPSHOT, pb.REQUEST_STOP, pb.REQUEST_OVERFLOW, pb.REQUEST_LEAVE)
-#: a signal unit this large that is summed where it lies (one contiguous diff) sends its
-#: signals in an allreduce of their own: copying it into a vector with room for them behind
-#: would cost more than that small allreduce. One gathered into a vector anyway (a layer with
-#: a bias, a fusion bucket) carries them behind at no cost: a second op per round cost Gloo
-#: a concurrent allreduce and MPI a serial one.
+#: a signal unit whose diffs cannot be placed in the vector that carries the signals behind
+#: them (a diff something else holds, a GPU's), and this large, sends its signals in an
+#: allreduce of their own: copying it in would cost more than that small allreduce. Any other
+#: carries them behind at no cost: a second op per round cost Gloo a concurrent allreduce and
+#: MPI a serial one.
 SIGNALS_APART_BYTES = 256 << 10
 
 
@@ -55,7 +55,7 @@ class _Issued:
     """A unit's round issued at release: its completions (from an engine's thread) and its
     finish (attached on the progress thread); whichever comes last runs the finish on the
     progress thread."""
-    __slots__ = ("host", "began", "vec", "flags", "_lock", "_left", "_finish")
+    __slots__ = ("host", "began", "vec", "flags", "_lock", "_left", "_finish", "_all")
 
     def __init__(self, host: Any, began: float) -> None:
         self.host, self.began = host, began
@@ -64,14 +64,25 @@ class _Issued:
         self._lock = threading.Lock()
         self._left = 0
         self._finish: Callable[[], None] | None = None
+        self._all = threading.Event()
 
     def completed(self) -> None:
         """One of the round's ops is complete (any thread)."""
         with self._lock:
             self._left += 1
-            ready = self._finish is not None and self._left == self._ops()
+            every = self._left == self._ops()
+            ready = self._finish is not None and every
+        if every:
+            self._all.set()
         if ready:
             self.host.call_soon(self._finish)
+
+    def wait(self, collective: Collective) -> None:
+        """Block until every op of the round is complete, or the job failed (raised)."""
+        while not self._all.wait(0.5):
+            if collective.failed is not None:
+                raise CommError(collective.failed)
+            self.host.raise_if_failed()
 
     def attach(self, finish: Callable[[], None]) -> None:
         """The progress thread's finish; run at once when every op is complete already."""
@@ -125,16 +136,18 @@ class CollectiveScheme(DenseScheme):
         if self.signal_unit is not None:
             u = self.units[self.signal_unit]
             dtype = np.dtype(u.params[0].blob.diff.dtype)
-            if self.backend.on_device or (u.count * dtype.itemsize >= SIGNALS_APART_BYTES
-                                          and u not in gathered):
+            # its diffs live in the vector that carries the bits behind them, where they can
+            buf = None if self.backend.on_device else np.empty(u.count + len(SIGNAL_BITS), dtype)
+            if buf is not None and (place_diffs(u, buf) or u in gathered
+                                    or u.count * dtype.itemsize < SIGNALS_APART_BYTES):
+                self._buffers[u.id] = buf
+            else:
                 self._signals_apart = True
                 self._ops_per_round += 1
-            else:  # gathered straight into the vector that carries the bits behind it
-                self._buffers[u.id] = np.empty(u.count + len(SIGNAL_BITS), dtype)
         for u in gathered:
             if u.id not in self._buffers:
                 self._buffers[u.id] = np.empty(u.count, np.dtype(u.params[0].blob.diff.dtype))
-            place_diffs(u, self._buffers[u.id])
+                place_diffs(u, self._buffers[u.id])
 
     @classmethod
     def timing(cls, info: Any, world: int, link: Any, device: Device, chunk_bytes: int,
@@ -150,13 +163,18 @@ class CollectiveScheme(DenseScheme):
     def capture(self, unit: Unit, rnd: int, bits: int) -> Any:
         """On the training thread at release: host gradients are gathered and their sum is
         issued now, in the one order (release order is that order); a GPU's are staged for
-        the host first and issued from the progress thread (``start``)."""
+        the host first and issued from the progress thread (``start``). The round's last
+        unit (the signal unit: backward is over, and the next forward needs it first) is
+        waited for and applied here, without a hand-off to the progress thread and back."""
         staged = super().capture(unit, rnd, bits)
         if staged is not None:
             return staged
         vec = self._host_vector(unit)
         issued = _Issued(self.host, time.perf_counter())
-        issued.vec, issued.flags = self._issue(unit, rnd, vec, bits, issued.completed)
+        last = unit.id == self.signal_unit
+        issued.vec, issued.flags = self._issue(unit, rnd, vec, bits, issued.completed, last)
+        if last:
+            issued.wait(self.collective)
         if issued.complete():  # summed on this thread: the syncer applies it here too
             return Finished(self._mean(unit, issued))
         return issued
@@ -193,9 +211,10 @@ class CollectiveScheme(DenseScheme):
         box.extend(self._issue(unit, rnd, vec, bits, post))
 
     def _issue(self, unit: Unit, rnd: int, vec: Any, bits: int,
-               done: Callable[[], None]) -> tuple[Any, Any]:
+               done: Callable[[], None], here: bool = False) -> tuple[Any, Any]:
         """Submit a unit's round (and, for the signal unit, its signals); ``done()`` once per
-        op submitted. (the vector summed, the signal vector or None)."""
+        op submitted (``here``: a blocking engine sums them on this thread, in their turn).
+        (the vector summed, the signal vector or None)."""
         flags = None
         if unit.id == self.signal_unit:
             values = [1.0 if bits & b else 0.0 for b in SIGNAL_BITS]
@@ -203,7 +222,7 @@ class CollectiveScheme(DenseScheme):
                 flags = self.signal_vector(values)
             else:
                 buf = self._buffers[unit.id]
-                if vec is not buf:  # a view or a staged vector: copied in
+                if not lies_at(vec, buf):  # a diff held elsewhere, or a staged vector
                     buf[:unit.count] = vec[:unit.count]
                 buf[unit.count:] = values
                 vec = buf
@@ -214,10 +233,10 @@ class CollectiveScheme(DenseScheme):
         stats.add_bytes(unit.id, self.name, True, moved, True)
         stats.add_bytes(unit.id, self.name, False, moved, True)
         self.collective.submit(first + self._position[unit.id], vec, done,
-                               f"{unit.name} round {rnd}")
+                               f"{unit.name} round {rnd}", here)
         if flags is not None:
             self.collective.submit(first + self._ops_per_round - 1, flags, done,
-                                   f"the signals of round {rnd}")
+                                   f"the signals of round {rnd}", here)
         return vec, flags
 
     def _agreed(self, unit: Unit, vec: Any, flags: Any) -> int:
