@@ -5,7 +5,7 @@ can be compared with the cost model's float counts); messages are counted beside
 transfer is counted twice over: ``net`` when it crosses the node boundary (a worker and its own
 shard are one node), and in the ``all`` totals whatever the peer. Time counters come from the syncer: for every layer and
 round, when its gradients were released and when the update was applied, and how long the
-training thread blocked in ``wait``.
+training thread blocked in ``wait`` (or in ``release``, for a round summed on that thread).
 """
 from __future__ import annotations
 

@@ -243,6 +243,8 @@ class Syncer:
         if complete:
             captured = self._schemes[unit.scheme].capture(unit, rnd, pend[1])
             if isinstance(captured, Finished):  # summed on this thread: applied here
+                # this thread waited on the sum, as it would have in ``wait``
+                self.stats.add_wait(unit.id, now() - t)
                 self.done(unit, rnd, captured.bits, released=pend[2])
             else:
                 self._events.put(("start", unit, rnd, pend[1], captured, pend[2]))
