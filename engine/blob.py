@@ -141,8 +141,7 @@ class Blob:
 
     def count_range(self, start: int, end: int | None = None) -> int:
         """Product of dims [start, end)."""
-        dims = self.shape[start:end]
-        return int(np.prod(dims, dtype=np.int64)) if dims else 1
+        return math.prod(self.shape[start:end])
 
     def reshape(self, *dims: int | Sequence[int]) -> None:
         """``reshape((2, 3))``, or pycaffe's ``reshape(2, 3)``; ``reshape()`` makes a scalar."""

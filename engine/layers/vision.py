@@ -261,8 +261,8 @@ class _BaseConvolution(Layer):
             x = self._images(b.data, self.channels)
             y = self._images(t.data, self.num_output)
             if self.plan:
-                self.plan.forward(x, self.blobs[0].data, y)
-                self._add_bias(y)
+                self.plan.forward(x, self.blobs[0].data, y,
+                                  self.blobs[1].data if self.bias_term else None)
                 continue
             for s in self._chunks(xp, x.dtype.itemsize):
                 self._forward_chunk(wg, x[s], y[s])

@@ -180,10 +180,12 @@ def _outputs(m, tmp, yt, adjoint, k_, th, tw, n):  # pragma: no cover - compiled
 
 
 @jit
-def _images_last(x, xt, adjoint, n, channels, h, w, hp, wp, ph, pw):  # pragma: no cover
+def _images_last(x, xt, adjoint, n, channels, h, w, hp, wp, ph, pw,
+                 bias, biased):  # pragma: no cover
     # x (n, C, h, w) <-> xt (C, hp, wp, n) at offset (ph, pw), zero outside: images go
     # innermost. The loops read (or write) x in order: a stride of C*h*w floats, often a
-    # power of two, made the other order 3x slower on cache set conflicts.
+    # power of two, made the other order 3x slower on cache set conflicts. Writing x, each
+    # channel's ``bias`` is added when ``biased``: the sum a pass of its own would make.
     nn = np.uint64(n)
     if not adjoint:
         for c in range(channels):
@@ -198,7 +200,11 @@ def _images_last(x, xt, adjoint, n, channels, h, w, hp, wp, ph, pw):  # pragma: 
             for r in range(h):
                 s = np.uint64(((b * channels + c) * h + r) * w)
                 d = np.uint64(((c * hp + r + ph) * wp + pw) * n + b)
-                if adjoint:
+                if adjoint and biased:
+                    bc = bias[c]
+                    for q in range(np.uint64(w)):
+                        x[s + q] = xt[d + q * nn] + bc
+                elif adjoint:
                     for q in range(np.uint64(w)):
                         x[s + q] = xt[d + q * nn]
                 else:
@@ -207,6 +213,14 @@ def _images_last(x, xt, adjoint, n, channels, h, w, hp, wp, ph, pw):  # pragma: 
 
 
 # ------------------------------------------------------------------------------ the algorithm
+
+_NO_BIAS = {np.dtype(t): np.zeros(1, t) for t in (np.float32, np.float64)}
+
+
+def _bias(bias: np.ndarray | None, dtype: Any) -> tuple[np.ndarray, bool]:
+    """``_images_last``'s bias arguments: (the per-channel vector, whether to add it)."""
+    return (_NO_BIAS[np.dtype(dtype)], False) if bias is None else (bias.reshape(-1), True)
+
 
 def filters(w: np.ndarray, group: int) -> np.ndarray:
     """U (group, 16, K/group, C/group) = G w G^T of the (K, C/group, 3, 3) weights."""
@@ -228,14 +242,16 @@ class Plan:
         step = max(MIN_IMAGES, CHUNK_BYTES // per_image // 8 * 8)
         self.chunks = [slice(s, min(s + step, images)) for s in range(0, images, step)]
 
-    def forward(self, x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:
-        """y (n, K, out_h, out_w) = the convolution of x (n, C, H, W) with w, no bias."""
+    def forward(self, x: np.ndarray, w: np.ndarray, y: np.ndarray,
+                bias: np.ndarray | None = None) -> None:
+        """y (n, K, out_h, out_w) = the convolution of x (n, C, H, W) with w, plus each
+        output channel's ``bias`` (added as the tiles go back to images)."""
         u = filters(w, self.group)
         for s in self.chunks:
             v = self._grouped(self._input_tiles(x[s]))
             m = np.empty((16, self.num_output, v.shape[-1]), x.dtype)
             np.matmul(u, v, out=self._grouped(m))
-            self._to_images(m, y[s])
+            self._to_images(m, y[s], bias)
 
     def backward(self, dy: np.ndarray, x: np.ndarray, w: np.ndarray, dw: np.ndarray | None,
                  dx: np.ndarray | None) -> None:
@@ -270,7 +286,7 @@ class Plan:
         g, th, tw, n, c = self.g, self.th, self.tw, x.shape[0], self.channels
         xt, tmp = self._padded(n, x.dtype)
         _images_last(flat(x), xt.reshape(-1), False, n, c, g.height, g.width, 2 * th + 2,
-                     2 * tw + 2, g.pad_h, g.pad_w)
+                     2 * tw + 2, g.pad_h, g.pad_w, *_bias(None, x.dtype))
         v = np.empty((16, c, th * tw * n), x.dtype)
         _tiles(xt.reshape(-1), tmp, v.reshape(-1), False, c, th, tw, n)
         return v
@@ -281,7 +297,7 @@ class Plan:
         xt, tmp = self._padded(n, dx.dtype)
         _tiles(xt.reshape(-1), tmp, dv.reshape(-1), True, c, th, tw, n)
         _images_last(flat_out(dx), xt.reshape(-1), True, n, c, g.height, g.width, 2 * th + 2,
-                     2 * tw + 2, g.pad_h, g.pad_w)
+                     2 * tw + 2, g.pad_h, g.pad_w, *_bias(None, dx.dtype))
 
     def _outputs_last(self, n: int, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
         """The images-last output tiles (K, 2th, 2tw, n) and the transform's scratch."""
@@ -289,19 +305,21 @@ class Plan:
         return (np.empty((k, 2 * th, 2 * tw, n), dtype),
                 np.empty(4 * k * th * 2 * tw * n, dtype))
 
-    def _to_images(self, m: np.ndarray, y: np.ndarray) -> None:
-        """y (n, K, out_h, out_w) = A^T m A of the GEMMs' result m (16, K, tiles)."""
+    def _to_images(self, m: np.ndarray, y: np.ndarray, bias: np.ndarray | None) -> None:
+        """y (n, K, out_h, out_w) = A^T m A of the GEMMs' result m (16, K, tiles), plus
+        ``bias``."""
         g, th, tw, n, k = self.g, self.th, self.tw, y.shape[0], self.num_output
         yt, tmp = self._outputs_last(n, y.dtype)
         _outputs(m.reshape(-1), tmp, yt.reshape(-1), False, k, th, tw, n)
-        _images_last(flat_out(y), yt.reshape(-1), True, n, k, g.out_h, g.out_w, 2 * th, 2 * tw, 0, 0)
+        _images_last(flat_out(y), yt.reshape(-1), True, n, k, g.out_h, g.out_w, 2 * th, 2 * tw,
+                     0, 0, *_bias(bias, y.dtype))
 
     def _from_images(self, dy: np.ndarray) -> np.ndarray:
         """The adjoint of _to_images: dM (16, K, tiles) of the top's gradient dy."""
         g, th, tw, n, k = self.g, self.th, self.tw, dy.shape[0], self.num_output
         yt, tmp = self._outputs_last(n, dy.dtype)
         _images_last(flat(dy), yt.reshape(-1), False, n, k, g.out_h, g.out_w, 2 * th, 2 * tw,
-                     0, 0)
+                     0, 0, *_bias(None, dy.dtype))
         m = np.empty((16, k, th * tw * n), dy.dtype)
         _outputs(m.reshape(-1), tmp, yt.reshape(-1), True, k, th, tw, n)
         return m
