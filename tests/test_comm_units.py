@@ -1,10 +1,12 @@
-"""A unit's gradients as one vector: diffs placed in it are gathered without a copy, and a diff
-that something else holds stays where it is."""
+"""A unit's gradients as one vector: diffs placed in it are gathered without a copy, a diff
+that something else holds stays where it is, and an elastic job's next generation sums in the
+vector its diffs lie in already."""
 from __future__ import annotations
 
 import numpy as np
 
-from engine.comm.units import LayerSlot, ParamSlot, Unit, gather, place_diffs, scatter_mean
+from engine.comm.units import (LayerSlot, ParamSlot, Unit, gather, in_place, place_diffs,
+                               placed_vector, scatter_mean)
 
 
 class Blob:
@@ -35,3 +37,25 @@ def test_placed_diffs_are_gathered_in_place_and_a_held_diff_is_copied():
     for b, want in zip(blobs, (2, 3, 3)):
         np.testing.assert_array_equal(b.diff, np.full(b.diff.shape, want, np.float32))
     assert held[0, 0] == 3  # the held view sees its diff's mean
+
+
+def test_a_next_generation_sums_in_the_vector_its_diffs_lie_in():
+    blobs = [Blob((3, 2), 1.0), Blob((4,), 2.0)]
+    unit = Unit([LayerSlot(0, "a", [ParamSlot(0, "a/0", blobs[0]), ParamSlot(1, "a/1", blobs[1])])],
+                "ring")
+    first = placed_vector(unit, behind=4)  # the signal unit of an engine: room for 4 behind
+    assert first.size == 14 and in_place(unit, first)
+    views = [b.diff for b in blobs]
+    # the next generation's scheme (the last one gone): the same vector, nothing moved
+    again = placed_vector(unit)
+    assert again is first and all(b.diff is v for b, v in zip(blobs, views))
+    # one that needs more room behind: a new vector, into which views of the old one
+    # (not owning their memory) do not move; gathering copies them in
+    bigger = placed_vector(unit, behind=8)
+    assert bigger is not first and not in_place(unit, bigger)
+    np.testing.assert_array_equal(gather(unit, bigger)[:10], [1] * 6 + [2] * 4)
+    # a vector nobody made so is never taken for one
+    other = np.empty(10, np.float32)
+    blobs[0].diff = other[:6].reshape(3, 2)
+    blobs[1].diff = other[6:]
+    assert placed_vector(unit) is not other

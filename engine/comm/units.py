@@ -7,6 +7,7 @@ units.
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass, field
 from functools import cached_property
 from types import SimpleNamespace
@@ -99,6 +100,40 @@ def gather(unit: Unit, out: np.ndarray | None = None) -> np.ndarray:
             part[...] = backend.to_numpy(diff).reshape(-1)
         offset += n
     return out
+
+
+def placed_vector(unit: Unit, behind: int = 0) -> np.ndarray:
+    """The unit's host vector (with room for ``behind`` values after it) with its NumPy diffs
+    placed in it (``place_diffs``). When every diff lies already, in order, at the start of a
+    vector made so before (an elastic job's last generation's, whose diffs are views of it
+    now) that vector is the unit's again: nothing moves, so no view of it goes stale."""
+    diff = unit.params[0].blob.diff
+    old = diff.base if isinstance(diff, np.ndarray) else None
+    dtype = np.dtype(diff.dtype)
+    del diff  # a reference held here would keep place_diffs from moving it
+    ref = _PLACED.get(id(old))
+    if ref is not None and ref() is old and old.size >= unit.count + behind \
+            and in_place(unit, old):
+        return old
+    out = np.empty(unit.count + behind, dtype)
+    place_diffs(unit, out)
+    _PLACED[id(out)] = weakref.ref(out, lambda _, key=id(out): _PLACED.pop(key, None))
+    return out
+
+
+#: id -> each vector ``placed_vector`` made, while it lives
+_PLACED: dict[int, weakref.ref] = {}
+
+
+def in_place(unit: Unit, vec: np.ndarray) -> bool:
+    """Whether every diff of the unit lies at its part of ``vec`` (``gather``'s order)."""
+    offset = 0
+    for p in unit.params:
+        n = int(p.blob.diff.size)
+        if not lies_at(p.blob.diff, vec[offset:offset + n]):
+            return False
+        offset += n
+    return True
 
 
 def place_diffs(unit: Unit, out: np.ndarray) -> int:

@@ -28,7 +28,7 @@ from engine.pb import poseidon_pb2 as pb
 
 from ..cost import Device, LayerTiming
 from ..staging import Staged, Staging
-from ..units import LayerSlot, Unit, gather, is_view, scatter_mean, split
+from ..units import LayerSlot, Unit, gather, is_view, placed_vector, scatter_mean, split
 
 if TYPE_CHECKING:
     from ..codecs import Codec
@@ -180,6 +180,10 @@ class DenseScheme(Scheme):
     scattered back into the diffs."""
 
     dense = True
+    #: a host unit of several diffs is summed in a vector of the scheme's where those diffs
+    #: live (``placed_vector``: backward accumulates into it, so gathering copies nothing); a
+    #: scheme that gathers into memory of its own (shm's shared slots) says False
+    places_diffs: ClassVar[bool] = True
 
     def __init__(self, host: Host, units: Sequence[Unit], chunk_bytes: int,
                  groups: Sequence[tuple[int, ...]] | None = None, mine: int = 0) -> None:
@@ -189,6 +193,15 @@ class DenseScheme(Scheme):
         #: when a list: each round's seconds from the gathered vector to its sum
         #: (`poseidon bench comm --allreduce` sets it)
         self.spans: list[float] | None = None
+        for u in self.units.values():
+            behind = self._behind(u)
+            if self.places_diffs and (behind or not is_view(u)) and \
+                    all(isinstance(p.blob.diff, np.ndarray) for p in u.params):
+                self._buffers[u.id] = placed_vector(u, behind)
+
+    def _behind(self, unit: Unit) -> int:
+        """How many values the scheme carries behind the unit's gradients in its vector."""
+        return 0
 
     def _host_vector(self, unit: Unit) -> np.ndarray:
         """The unit's host gradients as one vector: gathered into a buffer the unit keeps

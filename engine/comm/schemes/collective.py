@@ -38,7 +38,7 @@ from ..cost import Device, LayerTiming
 from ..engines import Backend, Collective, EngineError, ring_time
 from ..errors import CommError
 from ..transport import WORKER, Message, PeerId
-from ..units import Unit, is_view, lies_at, place_diffs, scatter_mean
+from ..units import Unit, in_place, is_view, lies_at, scatter_mean
 from .base import DenseScheme, Finished
 
 #: the request bits a signal unit carries, one value each behind its gradients
@@ -116,7 +116,9 @@ class CollectiveScheme(DenseScheme):
 
     def __init__(self, host: Any, units: Sequence[Unit], chunk_bytes: int,
                  groups: Sequence[tuple[int, ...]] | None = None, mine: int = 0) -> None:
-        super().__init__(host, units, chunk_bytes, groups, mine)
+        self.signal_unit = host.signal_unit if any(u.id == host.signal_unit for u in units) \
+            else None
+        super().__init__(host, units, chunk_bytes, groups, mine)  # the diffs placed
         if self.host.codec.name != "fp32":
             raise EngineError(f"{self.name} sums float32 gradients on the engine: it has no "
                               f"{self.host.codec.name} wire")
@@ -125,29 +127,27 @@ class CollectiveScheme(DenseScheme):
         ordered = sorted(self.units, reverse=True)
         self._position = {uid: k for k, uid in enumerate(ordered)}
         self._ops_per_round = len(ordered)
-        self.signal_unit = host.signal_unit if host.signal_unit in self.units else None
         #: the signals travel in an allreduce of their own, last in each round, where
         #: copying the signal unit into a longer vector would cost more
         self._signals_apart = False
-        #: host units of several diffs: summed in one vector of ours, where their diffs live
-        gathered = [] if self.backend.on_device else [
-            u for u in self.units.values()
-            if not is_view(u) and all(isinstance(p.blob.diff, np.ndarray) for p in u.params)]
         if self.signal_unit is not None:
             u = self.units[self.signal_unit]
             dtype = np.dtype(u.params[0].blob.diff.dtype)
-            # its diffs live in the vector that carries the bits behind them, where they can
-            buf = None if self.backend.on_device else np.empty(u.count + len(SIGNAL_BITS), dtype)
-            if buf is not None and (place_diffs(u, buf) or u in gathered
-                                    or u.count * dtype.itemsize < SIGNALS_APART_BYTES):
-                self._buffers[u.id] = buf
-            else:
+            buf = self._buffers.get(u.id)
+            # its diffs lie in the vector, or it is gathered anyway, or a copy costs little
+            if self.backend.on_device or not (
+                    buf is not None and (in_place(u, buf) or not is_view(u))
+                    or u.count * dtype.itemsize < SIGNALS_APART_BYTES):
                 self._signals_apart = True
                 self._ops_per_round += 1
-        for u in gathered:
-            if u.id not in self._buffers:
-                self._buffers[u.id] = np.empty(u.count, np.dtype(u.params[0].blob.diff.dtype))
-                place_diffs(u, self._buffers[u.id])
+                self._buffers.pop(u.id, None)
+            elif buf is None:  # a GPU's, staged: copied in behind
+                self._buffers[u.id] = np.empty(u.count + len(SIGNAL_BITS), dtype)
+
+    def _behind(self, unit: Unit) -> int:
+        # the signal values, behind a host signal unit's gradients
+        return len(SIGNAL_BITS) if unit.id == self.signal_unit and not self.backend.on_device \
+            else 0
 
     @classmethod
     def timing(cls, info: Any, world: int, link: Any, device: Device, chunk_bytes: int,

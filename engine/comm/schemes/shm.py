@@ -88,6 +88,8 @@ class Shm(DenseScheme):
     name = "shm"
     one_machine = True
     fusion_capped = False
+    #: gathered straight into this worker's shared slot
+    places_diffs = False
 
     def __init__(self, host: Any, units: Sequence[Unit], chunk_bytes: int,
                  groups: Sequence[tuple[int, ...]] | None = None, mine: int = 0) -> None:
