@@ -30,7 +30,8 @@ from engine.comm.auth import KEY_ENV, key_hex, new_key
 from engine.comm.cost import LayerInfo
 from engine.comm.link import Link
 from engine.comm.planner import EngineMismatch, PlanMismatch, PlanOptions, make_plan, pin_plan
-from engine.comm.engines import Backend, Collective, EngineCost, ring_link, ring_time
+from engine.comm.engines import Backend, Collective, EngineCost, EngineError, ring_link, ring_time
+from engine.comm.errors import CommError
 from engine.comm.schemes.base import Finished
 from engine.comm.schemes.collective import SIGNAL_BITS, CollectiveScheme
 from engine.comm.schemes.gloo import GlooBackend
@@ -122,7 +123,6 @@ def test_engines_are_planned_only_where_the_user_trusts_the_network(comm, truste
 
 
 def test_an_engine_with_a_compressing_wire_is_refused_in_one_line():
-    from engine.comm.errors import CommError
     with pytest.raises(CommError, match="--comm gloo sums float32 gradients on the engine: give "
                                         "it without --wire fp16"):
         JobConfig(solver="s", comm="gloo", wire="fp16")
@@ -234,6 +234,47 @@ def test_a_blocking_engines_last_op_waits_here_for_its_turn_and_is_summed_here()
         assert [c.backend.ran_on[k] for k in range(3)] == ["poseidon-recorder"] * 2 + [me]
     finally:
         c.close()
+
+
+class _StuckRecorder(_InlineRecorder):
+    release = threading.Event()
+
+    def start(self, vec):
+        if int(vec[0]) == 0:
+            if not self.release.wait(10):  # a peer that never comes
+                raise RuntimeError("peer gone")
+            raise RuntimeError("the allreduce of op 0 failed: peer gone")
+        return super().start(vec)
+
+
+def test_a_last_op_waiting_for_its_turn_gives_up_with_the_cause():
+    """Waiting here for the ops before it is bounded: by the job's error (a peer the
+    watchdog found gone), by the job's timeout when one of them hangs (the error says so),
+    at once when one of them fails (the engine's error)."""
+    c = Collective(_StuckRecorder, b"", 0, 2, "127.0.0.1", 1.0, lambda why: None)
+
+    def gone() -> None:
+        raise CommError("worker 1 stopped answering")
+    try:
+        c.submit(0, np.full(100, 0), lambda: None, "large 0")
+        t = time.monotonic()
+        with pytest.raises(CommError, match="worker 1 stopped answering"):
+            c.submit(1, np.full(100, 1), lambda: None, "the last", here=True, abort=gone)
+        assert time.monotonic() - t < 0.9  # before the timeout
+        t = time.monotonic()
+        with pytest.raises(EngineError, match="the last waited 1 s for the allreduces before it"):
+            c.submit(1, np.full(100, 1), lambda: None, "the last", here=True)
+        assert time.monotonic() - t < 5
+        _StuckRecorder.release.set()  # op 0 now fails: the next waiter returns at once
+        deadline = time.monotonic() + 5
+        while c.failed is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "op 0 failed" in (c.failed or "")
+        c.submit(1, np.full(100, 1), lambda: None, "the last", here=True)
+        assert c.backend.order == []  # nothing issued after the failure
+    finally:
+        _StuckRecorder.release.clear()
+        c.close(clean=False)
 
 
 class _Hub:

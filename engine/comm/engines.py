@@ -160,8 +160,8 @@ class Collective:
         self._next = 0
         self._early: dict[int, tuple[Any, Callable[[], None], str]] = {}
         self._order = threading.Lock()
-        #: notified under ``_order`` whenever an op's turn comes (``_take_here`` waits for it)
-        self._turn = threading.Condition(self._order)
+        #: set whenever an op is issued (``_take_here`` waits for its turn on it)
+        self._advanced = threading.Event()
         self._closed = False
         self.failed: str | None = None
         enter = backend.thread_context()
@@ -188,7 +188,7 @@ class Collective:
         return box["value"]
 
     def submit(self, seq: int, vec: Any, done: Callable[[], None], what: str,
-               here: bool = False) -> None:
+               here: bool = False, abort: Callable[[], None] | None = None) -> None:
         """Allreduce ``vec`` in place as operation ``seq`` of the job's one order (0, 1, 2,
         ...); ``done()`` once complete (on an engine's thread, or on this one). A blocking
         engine's ops go to the engine thread, but a small one is summed here when it is its
@@ -196,10 +196,10 @@ class Collective:
         is summed here, whatever its size (the round's last: its caller waits for it anyway);
         another engine's are issued here when it is their turn (a thread hand-off at every
         release costs a scheduling delay where the cores are busy with backward), else by
-        the op before them."""
+        the op before them. ``abort`` raises the job's error while ``here`` waits."""
         if self.backend_class.blocking:
             if here:
-                self._take_here(seq, vec, done, what)
+                self._take_here(seq, vec, done, what, abort)
                 return
             if vec.nbytes <= self.backend_class.inline_bytes and self._order.acquire(False):
                 try:  # its turn: every op before it is issued, and so complete
@@ -213,27 +213,41 @@ class Collective:
         with self._order:
             self._take(seq, vec, done, what)
 
-    def _take_here(self, seq: int, vec: Any, done: Callable[[], None], what: str) -> None:
+    def _take_here(self, seq: int, vec: Any, done: Callable[[], None], what: str,
+                   abort: Callable[[], None] | None) -> None:
         """A blocking engine's op ``seq`` issued on this thread once every op before it is
-        complete (the engine thread issues those, and says when each is)."""
+        complete: its turn comes when the engine thread issues the op before it (which says
+        so), and the op is complete when that thread lets go of the order. Each wait is
+        bounded: by the job's timeout, and by ``abort`` (which raises the job's error)."""
         deadline = time.monotonic() + self.timeout
-        with self._turn:
-            while self._next != seq and self.failed is None:
-                if time.monotonic() > deadline:
-                    raise EngineError(f"{self.name}: {what} waited {self.timeout:g} s for the "
-                                      "allreduces before it")
-                self._turn.wait(0.5)
-            self._take(seq, vec, done, what)
+        while True:
+            self._advanced.clear()
+            if self._next == seq or self.failed is not None:
+                if self._order.acquire(timeout=0.5):
+                    try:
+                        if self._next == seq or self.failed is not None:
+                            self._take(seq, vec, done, what)
+                            return
+                    finally:
+                        self._order.release()
+                    continue
+            else:
+                self._advanced.wait(0.5)
+            if abort is not None:
+                abort()
+            if time.monotonic() > deadline:
+                raise EngineError(f"{self.name}: {what} waited {self.timeout:g} s for the "
+                                  "allreduces before it")
 
     def _take(self, seq: int, vec: Any, done: Callable[[], None], what: str) -> None:
         """Hold op ``seq``, then issue every op whose turn it is (under ``_order``)."""
         self._early[seq] = (vec, done, what)
         while self._next in self._early and self.failed is None:
             self._issue(*self._early.pop(self._next))
-        self._turn.notify_all()
 
     def _issue(self, vec: Any, on_done: Callable[[], None], what: str) -> None:
         self._next += 1
+        self._advanced.set()
         tl = timeline.current
         if tl.active:  # the allreduce on the engine thread, from its issue to its end
             began, inner = tl.now(), on_done

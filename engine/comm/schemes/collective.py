@@ -77,12 +77,17 @@ class _Issued:
         if ready:
             self.host.call_soon(self._finish)
 
-    def wait(self, collective: Collective) -> None:
-        """Block until every op of the round is complete, or the job failed (raised)."""
+    def wait(self, collective: Collective, what: str) -> None:
+        """Block until every op of the round is complete; raise the job's error, the engine's,
+        or, past the job's timeout, that this wait took that long."""
+        deadline = time.monotonic() + collective.timeout
         while not self._all.wait(0.5):
+            self.host.raise_if_failed()  # the engine's failure too: it reports it to the job
             if collective.failed is not None:
                 raise CommError(collective.failed)
-            self.host.raise_if_failed()
+            if time.monotonic() > deadline:
+                raise EngineError(f"{collective.name}: {what} was not summed within "
+                                  f"{collective.timeout:g} s")
 
     def attach(self, finish: Callable[[], None]) -> None:
         """The progress thread's finish; run at once when every op is complete already."""
@@ -174,7 +179,7 @@ class CollectiveScheme(DenseScheme):
         last = unit.id == self.signal_unit
         issued.vec, issued.flags = self._issue(unit, rnd, vec, bits, issued.completed, last)
         if last:
-            issued.wait(self.collective)
+            issued.wait(self.collective, f"{unit.name} round {rnd}")
         if issued.complete():  # summed on this thread: the syncer applies it here too
             return Finished(self._mean(unit, issued))
         return issued
@@ -232,11 +237,12 @@ class CollectiveScheme(DenseScheme):
         stats = self.host.ep.stats
         stats.add_bytes(unit.id, self.name, True, moved, True)
         stats.add_bytes(unit.id, self.name, False, moved, True)
+        abort = self.host.raise_if_failed if here else None
         self.collective.submit(first + self._position[unit.id], vec, done,
-                               f"{unit.name} round {rnd}", here)
+                               f"{unit.name} round {rnd}", here, abort)
         if flags is not None:
             self.collective.submit(first + self._ops_per_round - 1, flags, done,
-                                   f"the signals of round {rnd}", here)
+                                   f"the signals of round {rnd}", here, abort)
         return vec, flags
 
     def _agreed(self, unit: Unit, vec: Any, flags: Any) -> int:
