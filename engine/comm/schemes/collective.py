@@ -54,7 +54,8 @@ SIGNALS_APART_BYTES = 256 << 10
 class _Issued:
     """A unit's round issued at release: its completions (from an engine's thread) and its
     finish (attached on the progress thread); whichever comes last runs the finish on the
-    progress thread."""
+    progress thread. The round's last unit is waited for (``wait``) on the training thread
+    instead, which then applies it."""
     __slots__ = ("host", "began", "vec", "flags", "_lock", "_left", "_finish", "_all")
 
     def __init__(self, host: Any, began: float) -> None:
