@@ -583,6 +583,30 @@ def test_compiled_max_pool_backward_equals_the_numpy_one(geo):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.skipif(not compiled.available(), reason="needs Numba (poseidon[fast])")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("in_place", [True, False], ids=["in place", "apart"])
+def test_compiled_relu_equals_the_numpy_one(dtype, in_place):
+    """Forward and gradient equal NumPy's to the bit; the compiled forward keeps a -0.0 input
+    as Caffe's std::max(x, 0) does (NumPy's maximum gives either zero), and NaN passes."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 3, 5, 7)).astype(dtype)
+    x.flat[:4] = [-0.0, np.nan, 0.0, -np.inf]
+    dy = rng.standard_normal(x.shape).astype(dtype)
+    y = x.copy() if in_place else np.empty_like(x)
+    assert compiled.relu(y if in_place else x, y)
+    want = np.maximum(x, 0)
+    np.testing.assert_array_equal(y, want)
+    assert np.signbit(y.flat[0]) and np.isnan(y.flat[1]) and y.flat[3] == 0
+    ok = ~np.isnan(y) & (y != 0)
+    assert np.array_equal(y[ok].view(np.uint8), want[ok].view(np.uint8))
+    dx = dy.copy() if in_place else np.empty_like(dy)
+    assert compiled.relu_gradient(y, dx if in_place else dy, dx)
+    want = dy * (y > 0)  # a masked negative gradient is -0.0, as Caffe's product
+    assert np.array_equal(dx.view(np.uint8), want.view(np.uint8))
+    assert not compiled.relu(x, y.astype(np.float16))  # not one dtype: NumPy's form serves
+
+
 # ------------------------------------------------------------------ GPU kernels
 
 _EMULATION_PRELUDE = """#define __global__

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import backend, fillers
+from ..kernels import cpu as compiled
 from ..blob import Blob
 from .base import Layer, register
 
@@ -78,12 +79,15 @@ class ReLULayer(NeuronLayer):
     def compute(self, x: Any, y: Any) -> None:
         xp = backend.get_array_module(x)
         if self.slope == 0:
-            xp.maximum(x, 0, out=y)
+            if not compiled.relu(x, y):
+                xp.maximum(x, 0, out=y)
         else:
             xp.multiply(x, xp.where(x > 0, x.dtype.type(1), x.dtype.type(self.slope)), out=y)
 
     def gradient(self, x: Any, y: Any, dy: Any, dx: Any) -> None:
         xp = backend.get_array_module(dy)
+        if self.slope == 0 and compiled.relu_gradient(y, dy, dx):
+            return
         positive = (x if self.keeps_input else y) > 0
         if self.slope == 0:
             xp.multiply(dy, positive, out=dx)
