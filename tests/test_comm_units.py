@@ -47,13 +47,17 @@ def test_a_next_generation_sums_in_the_vector_its_diffs_lie_in():
     assert first.size == 14 and in_place(unit, first)
     views = [b.diff for b in blobs]
     # the next generation's scheme (the last one gone): the same vector, nothing moved
-    again = placed_vector(unit)
+    again = placed_vector(unit, behind=4)
     assert again is first and all(b.diff is v for b, v in zip(blobs, views))
-    # one that needs more room behind: a new vector, into which views of the old one
+    # one that needs other room behind: a new vector, into which views of the old one
     # (not owning their memory) do not move; gathering copies them in
     bigger = placed_vector(unit, behind=8)
     assert bigger is not first and not in_place(unit, bigger)
     np.testing.assert_array_equal(gather(unit, bigger)[:10], [1] * 6 + [2] * 4)
+    # nor one for a unit of another length: a bucket the next plan splits is not summed whole
+    first_layer = Unit([LayerSlot(0, "a", [ParamSlot(0, "a/0", blobs[0])])], "ring")
+    blobs[0].diff = bigger[:6].reshape(3, 2)  # lies at the start of a longer vector
+    assert placed_vector(first_layer) is not bigger
     # a vector nobody made so is never taken for one
     other = np.empty(10, np.float32)
     blobs[0].diff = other[:6].reshape(3, 2)

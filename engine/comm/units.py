@@ -104,15 +104,16 @@ def gather(unit: Unit, out: np.ndarray | None = None) -> np.ndarray:
 
 def placed_vector(unit: Unit, behind: int = 0) -> np.ndarray:
     """The unit's host vector (with room for ``behind`` values after it) with its NumPy diffs
-    placed in it (``place_diffs``). When every diff lies already, in order, at the start of a
-    vector made so before (an elastic job's last generation's, whose diffs are views of it
-    now) that vector is the unit's again: nothing moves, so no view of it goes stale."""
+    placed in it (``place_diffs``). When every diff lies already, in order, in a vector made
+    so before for a unit of this length (an elastic job's last generation's, whose diffs are
+    views of it now) that vector is the unit's again: nothing moves, so no view of it goes
+    stale. (One holding more, a bucket the new plan split, is not: it would be summed whole.)"""
     diff = unit.params[0].blob.diff
     old = diff.base if isinstance(diff, np.ndarray) else None
     dtype = np.dtype(diff.dtype)
     del diff  # a reference held here would keep place_diffs from moving it
     ref = _PLACED.get(id(old))
-    if ref is not None and ref() is old and old.size >= unit.count + behind \
+    if ref is not None and ref() is old and old.size == unit.count + behind \
             and in_place(unit, old):
         return old
     out = np.empty(unit.count + behind, dtype)
