@@ -16,8 +16,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import backend, fillers
-from ..kernels import cpu as compiled
 from ..blob import Blob
+from ..kernels import cpu as compiled
 from .base import Layer, register
 
 
