@@ -136,3 +136,23 @@ def test_a_join_whose_nonce_is_not_its_routing_id_is_dropped():
         assert not h.driver.state.workers
     finally:
         h.close()
+
+
+def test_the_driver_draws_its_port_clear_of_the_listed_workers(monkeypatch):
+    """A worker listed on the driver's machine binds its port and the next: the driver's own
+    port is drawn from the range without them (it once drew a worker's, and every generation
+    of that job failed to bind it)."""
+    from poseidon_cli.launch.hostfile import free_base_port
+
+    base = free_base_port(2)  # four free ports: the range the driver draws from
+    monkeypatch.setenv("POSEIDON_PORTS", f"{base}-{base + 4}")  # the high end is not drawn
+    settings = ElasticSettings(min_workers=1000, max_workers=None, commit_every=5, lr="none",
+                               global_batch=None, backoff_s=600.0, max_failures=3)
+    for _ in range(5):
+        driver = Driver(JobConfig(solver="unused", timeout=TIMEOUT), settings, _NoListing(),
+                        new_key(), BatchFacts(8, 1), 0, say=lambda line: None,
+                        avoid=frozenset({base, base + 1, base + 2}))
+        try:
+            assert driver.port == base + 3
+        finally:
+            driver._close_sockets()

@@ -25,6 +25,7 @@ naming who is missing, after a survivor wrote the last commit to disk as a Caffe
 from __future__ import annotations
 
 import json
+import random
 import signal
 import time
 from pathlib import Path
@@ -61,7 +62,10 @@ class Driver:
 
     def __init__(self, config: JobConfig, settings: ElasticSettings, source: Any, key: bytes,
                  facts: BatchFacts, port: int, launch: str = "local",
-                 say: Callable[[str], None] | None = None) -> None:
+                 say: Callable[[str], None] | None = None,
+                 avoid: frozenset[int] = frozenset()) -> None:
+        """``port``: the driver's (0: one drawn from ``port_range``, none of ``avoid``: the
+        listed workers' ports, which they bind on this machine too)."""
         from engine import glog
 
         self.config, self.source = config, source
@@ -85,10 +89,11 @@ class Driver:
                 self._sock.bind(f"tcp://*:{port}")
                 self.port = port
             else:
-                self.port = self._sock.bind_to_random_port("tcp://*", *port_range())
+                self.port = self._bind_drawn(avoid)
         except zmq.ZMQError as e:
             self._close_sockets()
-            raise CommError(f"elastic driver: cannot bind port {port}: {e}") from None
+            raise CommError(f"elastic driver: cannot bind {f'port {port}' if port else 'a port'}"
+                            f": {e}") from None
         self.children = Children(config, key, self.port, launch, local_addresses(), self.say)
         self.state = ElasticState(settings, facts, self.timeout, self.events, self, self.port,
                                   getattr(source, "name", "the listing"))
@@ -96,7 +101,24 @@ class Driver:
         self._signals: list[int] = []
         self._forwarded: set[str] = set()
 
+    def _bind_drawn(self, avoid: frozenset[int]) -> int:
+        """Bind a port drawn from ``port_range()``, none of ``avoid``."""
+        low, high = port_range()
+        rng = random.Random()
+        for _ in range(200):
+            port = rng.randrange(low, high)
+            if port in avoid:
+                continue
+            try:
+                self._sock.bind(f"tcp://*:{port}")
+                return port
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EADDRINUSE:
+                    raise
+        raise zmq.ZMQError(zmq.EADDRINUSE, f"no free port in {low}..{high}")
+
     # the state machine's hooks (generations.Hooks)
+
     def send(self, w: Worker, kind: str, **fields: Any) -> bool:
         """Send ``w`` a message; False when its routing id has no connection now."""
         return self._send_to(w.ident, kind, **fields)

@@ -153,8 +153,10 @@ def drive(config: JobConfig, opts: ElasticOptions, hosts: str | None, host_list:
     else:
         source = Fixed(slots_of(entries), host_list and f"-H {host_list}" or
                        (f"-n {nproc}" if nproc else "workers that join by hand"))
+    # a worker listed on this machine binds its port and the next: never the driver's
+    listed = frozenset(p for slot in slots_of(entries) for p in (slot.port, slot.port + 1))
     driver = Driver(config, s, source, key, batch_facts(config.solver), opts.rendezvous_port,
-                    launch)
+                    launch, avoid=listed)
     at = f"{socket.gethostname()}:{driver.port}"
     joins = (f"a worker joins with `poseidon train --solver {config.solver} --elastic "
              f"--rendezvous {at} --key-file {config.key_file}`" if config.key_file else
