@@ -144,8 +144,8 @@ def test_the_driver_draws_its_port_clear_of_the_listed_workers(monkeypatch):
     of that job failed to bind it)."""
     from poseidon_cli.launch.hostfile import free_base_port
 
-    base = free_base_port(2)  # four free ports: the range the driver draws from
-    monkeypatch.setenv("POSEIDON_PORTS", f"{base}-{base + 4}")  # the high end is not drawn
+    base = free_base_port(3)  # six free ports: the range the driver draws a free pair from
+    monkeypatch.setenv("POSEIDON_PORTS", f"{base}-{base + 5}")  # the high end is not drawn
     settings = ElasticSettings(min_workers=1000, max_workers=None, commit_every=5, lr="none",
                                global_batch=None, backoff_s=600.0, max_failures=3)
     for _ in range(5):

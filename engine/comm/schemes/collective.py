@@ -140,10 +140,11 @@ class CollectiveScheme(DenseScheme):
             u = self.units[self.signal_unit]
             dtype = np.dtype(u.params[0].blob.diff.dtype)
             buf = self._buffers.get(u.id)
-            # its diffs lie in the vector, or it is gathered anyway, or a copy costs little
-            if self.backend.on_device or not (
-                    buf is not None and (in_place(u, buf) or not is_view(u))
-                    or u.count * dtype.itemsize < SIGNALS_APART_BYTES):
+            # copied into a vector each round (a GPU's staged one, a diff something else
+            # holds): a large one sends its signals apart rather than copy itself
+            copied = buf is None or (is_view(u) and not in_place(u, buf))
+            if self.backend.on_device or (copied and
+                                          u.count * dtype.itemsize >= SIGNALS_APART_BYTES):
                 self._signals_apart = True
                 self._ops_per_round += 1
                 self._buffers.pop(u.id, None)

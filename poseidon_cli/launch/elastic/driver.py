@@ -25,7 +25,6 @@ naming who is missing, after a survivor wrote the last commit to disk as a Caffe
 from __future__ import annotations
 
 import json
-import random
 import signal
 import time
 from pathlib import Path
@@ -39,7 +38,7 @@ from engine.comm.errors import CommError
 from engine.comm.hosts import local_addresses
 
 from ...job_config import JobConfig
-from ..hostfile import port_range
+from ..hostfile import reserve_ports
 from .children import Children
 from .events import EventLog
 from .generations import BatchFacts, ElasticState, GenState, Worker, WorkerState
@@ -102,20 +101,19 @@ class Driver:
         self._forwarded: set[str] = set()
 
     def _bind_drawn(self, avoid: frozenset[int]) -> int:
-        """Bind a port drawn from ``port_range()``, none of ``avoid``."""
-        low, high = port_range()
-        rng = random.Random()
-        for _ in range(200):
-            port = rng.randrange(low, high)
-            if port in avoid:
-                continue
+        """Bind a port ``reserve_ports`` draws, none of ``avoid``; drawn again should another
+        process take it between the draw and the bind."""
+        for _ in range(20):
+            port, held = reserve_ports(1, "0.0.0.0", avoid)
+            for s in held:
+                s.close()
             try:
                 self._sock.bind(f"tcp://*:{port}")
                 return port
             except zmq.ZMQError as e:
                 if e.errno != zmq.EADDRINUSE:
                     raise
-        raise zmq.ZMQError(zmq.EADDRINUSE, f"no free port in {low}..{high}")
+        raise zmq.ZMQError(zmq.EADDRINUSE, "every port drawn was taken before it was bound")
 
     # the state machine's hooks (generations.Hooks)
 
