@@ -18,9 +18,14 @@ DEFAULT_EFFECTS = {"SIGINT": "stop", "SIGHUP": "snapshot", "SIGTERM": "stop"}
 
 
 @contextlib.contextmanager
-def signal_requests(solver: Any, effects: dict[str, str] | None = None) -> Iterator[None]:
+def signal_requests(solver: Any, effects: dict[str, str] | None = None, *,
+                    then_ignore: bool = False) -> Iterator[None]:
     """While inside, each signal of ``effects`` ('stop', 'snapshot' or 'none') asks ``solver``
-    for its action; the previous handlers come back on the way out."""
+    for its action; the previous handlers come back on the way out. ``then_ignore``: after a
+    run that ended well they are ignored instead, as a launcher's worker wants: its run is
+    over and the process ends by itself, and the launcher may pass on the manager's stop
+    late, after the stop every worker agreed on (a worker killed by it then fails a job
+    that stopped as asked). A run that fails restores them all the same."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -42,8 +47,10 @@ def signal_requests(solver: Any, effects: dict[str, str] | None = None) -> Itera
         sig = getattr(signal, name, None)
         if sig is not None:
             previous[sig] = signal.signal(sig, handler)
+    ended_well = False
     try:
         yield
+        ended_well = True
     finally:
         for sig, h in previous.items():
-            signal.signal(sig, h)
+            signal.signal(sig, signal.SIG_IGN if ended_well and then_ignore else h)

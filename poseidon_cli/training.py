@@ -60,7 +60,7 @@ def train_process(config: JobConfig, context: RunContext, gpu: int | None,
             timeline.start(config.timeline, name, f"worker{context.rank}" if attach else "rank0")
         glog.info("Starting Optimization")
         with attach(solver) if attach else contextlib.nullcontext():
-            with signal_requests(solver, config.signal_effects):
+            with signal_requests(solver, config.signal_effects, then_ignore=attach is not None):
                 solver.solve(config.snapshot)
     finally:
         solver.close()  # on failure too: the comm and prefetch threads stop, the process exits

@@ -135,3 +135,49 @@ def test_ports_probed_free_come_from_poseidon_ports(monkeypatch):
         monkeypatch.setenv("POSEIDON_PORTS", bad)
         with pytest.raises(HostsError, match=f"POSEIDON_PORTS='{bad}': expected LOW-HIGH"):
             port_range()
+
+
+@pytest.mark.parametrize("how", ["-n", "-H"])
+def test_a_launchers_probed_ports_stay_its_own_until_the_job_ends(how, monkeypatch):
+    """-n / -H probe their ports free and hold them while the job runs: another job's probe
+    cannot draw them (two jobs started at once once drew the same ones, and one job's shard
+    could not bind: "cannot bind port 22645"), while the job's own workers bind and listen."""
+    import contextlib
+
+    import zmq
+
+    from poseidon_cli.launch.hostfile import reserve_ports
+    base, held = reserve_ports(2)  # 4 ports free now: the only ones the range below holds
+    for s in held:
+        s.close()
+    monkeypatch.setenv("POSEIDON_PORTS", f"{base}-{base + 4}")
+    with contextlib.ExitStack() as ports:
+        if how == "-n":
+            entries = resolve(None, None, 2, None, ports)
+        else:
+            entries = resolve(None, "127.0.0.1:2", None, None, ports)
+        assert [(e.port, e.shard_port) for e in entries] == [(base, base + 1), (base + 2, base + 3)]
+        with pytest.raises(HostsError, match="no 4 consecutive free ports"):
+            reserve_ports(2)  # another job probing now
+        ctx = zmq.Context()
+        try:
+            listeners = []
+            for port in range(base, base + 4):  # the job's own workers and shards
+                sock = ctx.socket(zmq.ROUTER)
+                sock.linger = 0
+                sock.bind(f"tcp://127.0.0.1:{port}")
+                listeners.append(sock)
+            for sock in listeners:
+                sock.close()
+        finally:
+            ctx.term()
+    again, held = reserve_ports(2)  # the job over: free again
+    for s in held:
+        s.close()
+    assert again == base
+    # without a hold they are released on return, as before
+    assert resolve(None, None, 2, None)[0].port == base
+    again, held = reserve_ports(2)
+    for s in held:
+        s.close()
+    assert again == base

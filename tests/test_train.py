@@ -496,6 +496,30 @@ def test_real_sigint_snapshots_and_stops(tiny):
     assert signal.getsignal(signal.SIGINT) is before
 
 
+@pytest.mark.parametrize("then_ignore, rc", [(True, 0), (False, -15)])
+def test_a_stop_passed_on_after_a_worker_ended_well_does_not_kill_it(then_ignore, rc):
+    """A launcher passes the manager's SIGTERM on to each worker; late on a busy machine, it
+    reached one after every worker had agreed to stop, snapshotted and left its run: killed by
+    it, the worker failed a job that had stopped as asked. A worker (then_ignore) ignores
+    the stop signals once its run ended well; a run of its own gets its handlers back."""
+    import subprocess
+    import sys
+
+    script = (
+        "import os, signal, sys, time\n"
+        "from poseidon_cli.signals import signal_requests\n"
+        "class S:\n"
+        "    def request(self, action): pass\n"
+        f"with signal_requests(S(), then_ignore={then_ignore}):\n"
+        "    pass\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(0.2)\n"
+        "sys.exit(0)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == rc, done.stderr[-2000:]
+
+
 def test_unwritable_snapshot_prefix_fails_at_start(tiny):
     (tiny / "blocked").write_text("a file where the snapshot folder would be")
     with pytest.raises(SolverError, match="cannot write snapshots.*blocked is not a writable"):

@@ -149,7 +149,11 @@ def reserve_ports(n: int, host: str = "127.0.0.1",
     hold them bound (not listening) until closed: workers of one machine that probe at once
     cannot draw the same ports. ``avoid``: ports already promised (a rendezvous port).
 
-    Drawn from ``port_range()``.
+    Drawn from ``port_range()``. Each socket takes SO_REUSEADDR only once bound: a later probe
+    (which binds without it) is refused while the hold lasts, but a ZeroMQ listener (which
+    sets it) binds and listens beside it, as Linux lets two SO_REUSEADDR sockets share a port
+    while neither listens. So a launcher holds its workers' ports until they have bound them,
+    and two jobs started at once on one machine never draw the same ones.
     """
     low, high = port_range()
     if high - low < 2 * n:
@@ -166,6 +170,7 @@ def reserve_ports(n: int, host: str = "127.0.0.1",
                 s = socket.socket()
                 socks.append(s)
                 s.bind((host, p))
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             return base, socks
         except OSError:
             for s in socks:

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -76,15 +77,17 @@ def start(config: JobConfig, managed: Placement | NodePlacement | None, hosts: s
     else:
         from .tables import resolve
         pinned = config.gpus if config.pin_gpus else None
-        entries = resolve(hosts, host_list, nproc, pinned)
-        # `srun poseidon train --hosts H`: the manager's rank is the rank in the file (-H and
-        # -n probe their ports: only a launcher that starts every worker can hand them out)
-        if rank is None and hosts is not None and (found := rank_from_env(os.environ)):
-            rank, world, manager = found
-            if world is not None and world != len(entries):
-                raise CommError(f"{manager} started {world} workers, but {hosts} lists "
-                                f"{len(entries)}")
-        run(config, entries, rank, launch)
+        with contextlib.ExitStack() as ports:  # probed ports held until the job ends
+            entries = resolve(hosts, host_list, nproc, pinned, ports)
+            # `srun poseidon train --hosts H`: the manager's rank is the rank in the file (-H
+            # and -n probe their ports: only a launcher that starts every worker can hand them
+            # out)
+            if rank is None and hosts is not None and (found := rank_from_env(os.environ)):
+                rank, world, manager = found
+                if world is not None and world != len(entries):
+                    raise CommError(f"{manager} started {world} workers, but {hosts} lists "
+                                    f"{len(entries)}")
+            run(config, entries, rank, launch)
 
 
 def run(config: JobConfig, entries: list[HostEntry], rank: int | None = None,

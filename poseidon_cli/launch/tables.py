@@ -14,6 +14,7 @@ rank its GPU (--gpus: one each; --gpu: round robin).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 from engine.comm.hosts import (
@@ -29,7 +30,6 @@ from ..job_config import JobConfig
 from .hostfile import (
     DEFAULT_PORT,
     check_resolvable,
-    free_base_port,
     parse_hosts,
     parse_slots,
     reserve_ports,
@@ -37,25 +37,43 @@ from .hostfile import (
 
 
 def resolve(hosts: str | None, host_list: str | None, nproc: int | None,
-            pinned: Sequence[int] | None) -> list[HostEntry]:
+            pinned: Sequence[int] | None,
+            hold: contextlib.ExitStack | None = None) -> list[HostEntry]:
     """The table of exactly one of ``hosts`` (a file), ``host_list`` (-H) or ``nproc`` (-n);
-    ``pinned``: the GPUs of --gpus, whose count is each machine's default worker count."""
+    ``pinned``: the GPUs of --gpus, whose count is each machine's default worker count.
+    ``hold``: the ports probed here stay held until it closes (the job's own workers bind them
+    meanwhile, another job's probe cannot draw them: ``reserve_ports``); without it they are
+    released on return."""
     slots = len(pinned) if pinned else 1
-    if hosts is not None:
-        entries = parse_hosts(hosts, default_slots=slots)
-    elif host_list is not None:
-        entries = from_host_list(host_list, slots)
-    else:
-        assert nproc is not None
-        entries = table_of([Machine("127.0.0.1", free_base_port(nproc), nproc, f"-n {nproc}")],
-                           f"-n {nproc}")
-    if pinned:
-        check_pinned(entries, pinned)
+    with contextlib.ExitStack() as probed:
+        if hosts is not None:
+            entries = parse_hosts(hosts, default_slots=slots)
+        elif host_list is not None:
+            entries = from_host_list(host_list, slots, probed)
+        else:
+            assert nproc is not None
+            entries = table_of([Machine("127.0.0.1", _reserve(nproc, probed), nproc,
+                                        f"-n {nproc}")], f"-n {nproc}")
+        if pinned:
+            check_pinned(entries, pinned)
+        if hold is not None:
+            hold.enter_context(probed.pop_all())
     return entries
 
 
-def from_host_list(spec: str, default_slots: int = 1) -> list[HostEntry]:
-    """``-H host1:4,host2:4`` (a host without ``:N`` runs ``default_slots`` workers)."""
+def _reserve(n: int, probed: contextlib.ExitStack) -> int:
+    """The base of ``n`` workers' ports here, held until ``probed`` closes."""
+    base, socks = reserve_ports(n)
+    for s in socks:
+        probed.enter_context(s)
+    return base
+
+
+def from_host_list(spec: str, default_slots: int = 1,
+                   probed: contextlib.ExitStack | None = None) -> list[HostEntry]:
+    """``-H host1:4,host2:4`` (a host without ``:N`` runs ``default_slots`` workers). When
+    every host is this machine its ports are probed, and held until ``probed`` closes (none:
+    until every machine has its base, so that no two draw the same ports)."""
     where = f"-H {spec}"
     listed: list[tuple[str, int]] = []
     for item in spec.split(","):
@@ -67,19 +85,14 @@ def from_host_list(spec: str, default_slots: int = 1) -> list[HostEntry]:
         listed.append((host, parse_slots(count, where) if count else default_slots))
     here = local_addresses()
     probe = all(is_local_host(h, here) for h, _ in listed)
-    machines, before, held = [], 0, []
-    try:
+    machines, before = [], 0
+    with contextlib.ExitStack() as held:
         for host, n in listed:
-            if probe:  # held until every machine has its base: no two draw the same ports
-                base, socks = reserve_ports(n)
-                held += socks
-            else:
-                base = DEFAULT_PORT + 2 * before
+            base = _reserve(n, held) if probe else DEFAULT_PORT + 2 * before
             machines.append(Machine(host, base, n, where))
             before += n
-    finally:
-        for s in held:
-            s.close()
+        if probed is not None:
+            probed.enter_context(held.pop_all())
     entries = table_of(machines, where)
     check_resolvable(entries)
     return entries

@@ -6,6 +6,7 @@ a worker that joins the driver there (member.py): started by hand, by srun, or i
 """
 from __future__ import annotations
 
+import contextlib
 import socket
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -136,7 +137,9 @@ def drive(config: JobConfig, opts: ElasticOptions, hosts: str | None, host_list:
     s = opts.settings
     assert s is not None
     pinned = config.gpus if config.pin_gpus else None
-    entries = resolve(hosts, host_list, nproc, pinned) if (hosts or host_list or nproc) else []
+    ports = contextlib.ExitStack()  # what -n / -H probed: held while the driver runs
+    entries = resolve(hosts, host_list, nproc, pinned, ports) if (hosts or host_list or nproc) \
+        else []
     here = local_addresses()
     by_hand = not entries or (launch != "ssh" and not all(is_local(e, here) for e in entries))
     key = job_key(config.key_file)
@@ -167,7 +170,8 @@ def drive(config: JobConfig, opts: ElasticOptions, hosts: str | None, host_list:
               "iterations; each worker keeps its batch, so P workers train with P times the "
               "batch" + (f" (--global-batch {s.global_batch}: iter_size adapts)"
                          if s.global_batch else ""))
-    driver.run()
+    with ports:
+        driver.run()
 
 
 def batch_facts(solver: str) -> Any:
