@@ -221,7 +221,6 @@ class Collective:
         bounded: by the job's timeout, and by ``abort`` (which raises the job's error)."""
         deadline = time.monotonic() + self.timeout
         while True:
-            self._advanced.clear()
             if self._next == seq or self.failed is not None:
                 if self._order.acquire(timeout=0.5):
                     try:
@@ -232,7 +231,9 @@ class Collective:
                         self._order.release()
                     continue
             else:
-                self._advanced.wait(0.5)
+                self._advanced.clear()  # then looked at again: an issue between is seen
+                if self._next != seq and self.failed is None:
+                    self._advanced.wait(0.5)
             if abort is not None:
                 abort()
             if time.monotonic() > deadline:
@@ -247,7 +248,8 @@ class Collective:
 
     def _issue(self, vec: Any, on_done: Callable[[], None], what: str) -> None:
         self._next += 1
-        self._advanced.set()
+        if not self._advanced.is_set():  # only a waiter clears it (the set costs a lock)
+            self._advanced.set()
         tl = timeline.current
         if tl.active:  # the allreduce on the engine thread, from its issue to its end
             began, inner = tl.now(), on_done

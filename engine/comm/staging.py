@@ -28,7 +28,7 @@ import numpy as np
 
 from engine import backend
 
-from .units import Unit
+from .units import Unit, mean_into
 
 
 @dataclass
@@ -105,7 +105,7 @@ class Staging:
                                                              for d in diffs):
             return False
         import cupy
-        np.divide(total, world, out=vec)
+        mean_into(total, world, vec)
         device = diffs[0].device
         with device:
             stream = self._streams[device.id]

@@ -65,7 +65,9 @@ class _Issued:
         self._lock = threading.Lock()
         self._left = 0
         self._finish: Callable[[], None] | None = None
-        self._all = threading.Event()
+        #: what ``wait`` blocks on, made only when it must (a blocking engine's round is
+        #: complete before it is waited for)
+        self._all: threading.Event | None = None
 
     def completed(self) -> None:
         """One of the round's ops is complete (any thread)."""
@@ -73,16 +75,21 @@ class _Issued:
             self._left += 1
             every = self._left == self._ops()
             ready = self._finish is not None and every
-        if every:
-            self._all.set()
+            waiting = self._all
+        if every and waiting is not None:
+            waiting.set()
         if ready:
             self.host.call_soon(self._finish)
 
     def wait(self, collective: Collective, what: str) -> None:
         """Block until every op of the round is complete; raise the job's error, the engine's,
         or, past the job's timeout, that this wait took that long."""
+        with self._lock:
+            if self._left == self._ops():
+                return
+            self._all = waiting = threading.Event()
         deadline = time.monotonic() + collective.timeout
-        while not self._all.wait(0.5):
+        while not waiting.wait(0.5):
             self.host.raise_if_failed()  # the engine's failure too: it reports it to the job
             if collective.failed is not None:
                 raise CommError(collective.failed)
