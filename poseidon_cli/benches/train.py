@@ -233,7 +233,9 @@ def run_poseidon(work: Path, db: Path, workers: int, variant: str, iters: int,
                  common: tuple[str, ...] = ()) -> dict[str, Any]:
     """One training run; ``variant`` is a scheme and maybe train options ('ring:--fusion-mb=4'),
     ``common`` options every variant takes. Each rank is started on its own (in its namespace
-    with ``bits_per_s``) with a fresh key; for the mpi scheme, all by one mpiexec."""
+    with ``bits_per_s``) with a fresh key; for the mpi scheme, all by one mpiexec, and so for
+    auto on a trusted network where MPI is installed: as a user with MPI starts a job, so
+    that auto may choose every engine a scheme of the same run uses."""
     from engine.comm.auth import KEY_ENV, key_hex, new_key
 
     from .allreduce import mpi_launcher
@@ -254,7 +256,9 @@ def run_poseidon(work: Path, db: Path, workers: int, variant: str, iters: int,
             (d / "hosts").write_text(place.hosts_text())
             cmd += ["--hosts", str(d / "hosts"), "--comm", comm, *extra]
         io = dict(cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        if workers > 1 and comm == "mpi":  # MPI's launcher starts the ranks (rank 0 the stats)
+        mpi = comm == "mpi" or (comm == "auto" and "--trusted-network" in extra
+                                and mpi_launcher() is not None)
+        if workers > 1 and mpi:  # MPI's launcher starts the ranks (rank 0 the stats)
             mpiexec = mpi_launcher()
             if mpiexec is None:
                 raise RuntimeError("the mpi scheme needs mpi4py and mpiexec: pip install "
