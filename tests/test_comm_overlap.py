@@ -54,7 +54,10 @@ def test_upper_layers_communicate_during_lower_backward(comm, digits_db, tmp_pat
     assert done.returncode == 0, done.stderr[-3000:]
     s = json.loads(stats.read_text())
     assert s["iterations"] == 20 and s["comm_s_per_iter"] > 0
-    assert s["hidden_fraction"] > 0.5, s
+    # most of it hidden on a quiet machine (ps 0.81, hybrid 0.74 here); under stress-ng the
+    # communicator's threads starve beside the busy backward (hybrid once read 0.49), but
+    # gradients sent only after backward would hide none of it
+    assert s["hidden_fraction"] > 0.25, s
     # rank 0's CPU by kind of thread (tests/test_perf_cpu.py checks the split itself): the
     # training thread computed, the communicator's threads summed, updated and moved bytes,
     # the shard summed
