@@ -101,19 +101,16 @@ class Driver:
         self._forwarded: set[str] = set()
 
     def _bind_drawn(self, avoid: frozenset[int]) -> int:
-        """Bind a port ``reserve_ports`` draws, none of ``avoid``; drawn again should another
-        process take it between the draw and the bind."""
-        for _ in range(20):
-            port, held = reserve_ports(1, "0.0.0.0", avoid)
+        """Bind a port ``reserve_ports`` draws, none of ``avoid``: bound while the draw still
+        holds it (``reserve_ports``' hold lets a ZeroMQ listener beside it), so no other
+        process can take it in between."""
+        port, held = reserve_ports(1, "0.0.0.0", avoid)
+        try:
+            self._sock.bind(f"tcp://*:{port}")
+        finally:
             for s in held:
                 s.close()
-            try:
-                self._sock.bind(f"tcp://*:{port}")
-                return port
-            except zmq.ZMQError as e:
-                if e.errno != zmq.EADDRINUSE:
-                    raise
-        raise zmq.ZMQError(zmq.EADDRINUSE, "every port drawn was taken before it was bound")
+        return port
 
     # the state machine's hooks (generations.Hooks)
 
