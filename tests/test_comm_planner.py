@@ -157,3 +157,50 @@ def test_auto_gives_a_run_of_small_layers_one_dense_scheme():
             unfused = make_plan(conv, 4, PlanOptions(link=link, device=device))
             mixed_unfused += len({p.scheme for p in unfused.layers}) > 1
     assert mixed_unfused > 0  # the grid does reach the links where per-layer choices differ
+
+
+# ------------------------------------------------- a busy-waiting engine carries all or none
+ENGINE_NET = [LayerInfo(1, "conv1", [(8, 1, 3, 3), (8,)]),
+              LayerInfo(3, "ip1", [(256, 512), (256,)], factors=(16, 512, 256)),
+              LayerInfo(5, "ip2", [(10, 256), (10,)], factors=(16, 256, 10))]
+SLOW = Link(5e-3, 8e-8, "given: 100mbit@5ms")
+
+
+def engine_plan(name: str, beta: float) -> list:
+    from engine.comm.engines import EngineCost
+    return plan_layers(ENGINE_NET, 2, link=SLOW,
+                       engines=(EngineCost(name, "v1", "ring", Link(1e-5, beta, "a probe")),))
+
+
+def cheapest(p, allowed=lambda s: True) -> str:
+    return min((s for s in p.timings if allowed(s)), key=lambda s: p.timings[s].total_s)
+
+
+@pytest.mark.parametrize("beta, alone", [(1e-6, "none"), (2e-8, "all")])
+def test_auto_gives_mpi_every_layer_or_none_whichever_costs_less(beta, alone):
+    """Each layer's cheapest scheme would mix MPI (the small layers) with SFB (ip1): MPI's calls
+    busy-wait beside the other schemes' traffic, so auto compares MPI on every layer with the
+    cheapest plan without it. Gloo, which sleeps while it waits, keeps the per-layer mix."""
+    plans = engine_plan("mpi", beta)
+    mixed = {cheapest(p) for p in plans}
+    assert "mpi" in mixed and len(mixed) > 1  # per layer, the mix (the pass has work)
+    without = sum(p.timings[cheapest(p, lambda s: s != "mpi")].total_s for p in plans)
+    every = sum(p.timings["mpi"].total_s for p in plans)
+    assert (every < without) == (alone == "all")
+    chosen = [p.scheme for p in plans]
+    if alone == "all":
+        assert chosen == ["mpi"] * 3
+        assert all("mpi on every layer" in p.reason for p in plans if cheapest(p) != "mpi")
+    else:
+        assert chosen == [cheapest(p, lambda s: s != "mpi") for p in plans]
+        assert "mpi" not in chosen and any("busy-waits" in p.reason for p in plans)
+    gloo = engine_plan("gloo", beta)
+    assert [p.scheme for p in gloo] == [cheapest(p) for p in gloo]
+    assert {p.scheme for p in gloo} == {s.replace("mpi", "gloo") for s in mixed}
+
+
+def test_a_layer_given_by_name_keeps_its_scheme_and_mpi_then_carries_none():
+    from engine.comm.engines import EngineCost
+    plans = plan_layers(ENGINE_NET, 2, comm="auto,ip1=sfb", link=SLOW, engines=(
+        EngineCost("mpi", "v1", "ring", Link(1e-5, 2e-8, "a probe")),))
+    assert [p.scheme for p in plans][1] == "sfb" and "mpi" not in {p.scheme for p in plans}

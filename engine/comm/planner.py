@@ -35,6 +35,7 @@ from .cost import (
     cost_sfb,
     level_timing,
 )
+from .auto_passes import join_buckets, spinning_engine_alone, unify_runs
 from .engines import EngineCost
 from .fusion import buckets
 from .link import Link
@@ -104,7 +105,7 @@ def plan_layers(layers: Sequence[LayerInfo], p1: int, comm: str = "auto",
     allows it. ``slots`` workers per machine: dense schemes are priced in two levels, the
     machine's own ``local_link`` around the network's ``link``. ``machines``: how many
     machines the workers are on (default: p1 / slots); one-machine schemes need 1.
-    ``fusion``: auto prices fusion in (``_unify_runs``, ``_join_buckets``). ``engines``: the
+    ``fusion``: auto prices fusion in (engine/comm/auto_passes.py). ``engines``: the
     collective engines every worker joined, priced by their probes; no other engine runs."""
     comm, overrides = split_comm(comm)
     unknown = set(overrides) - {info.name for info in layers}
@@ -168,67 +169,12 @@ def plan_layers(layers: Sequence[LayerInfo], p1: int, comm: str = "auto",
             reason = ("SFB not allowed (iter_size > 1)" if info.factors is not None
                       else "no sufficient factors")
         plans.append(LayerPlan(info, scheme, timings, p1, reason))
+    if comm == "auto":
+        spinning_engine_alone(plans, set(overrides))
     if comm == "auto" and fusion:
-        _unify_runs(plans, marginal, set(overrides))
-        _join_buckets(plans, marginal, set(overrides))
+        unify_runs(plans, marginal, set(overrides))
+        join_buckets(plans, marginal, set(overrides))
     return plans
-
-
-def _unify_runs(plans: Sequence[LayerPlan], marginal: dict[tuple[int, str], float],
-                fixed: set[str]) -> None:
-    """Consecutive layers (in release order) that chose dense schemes travel in buckets, and
-    each bucket pays its latency once: where one of their schemes for the whole run costs no
-    more than the mix (its first layer's time plus the others' latency-free times), all take it.
-    Two small layers a hair apart in price then share one bucket instead of paying two rounds
-    (measured: the conv net on 1 Gbit/s links planned PS + ring, 0.81x DDP; one scheme 0.96-1.01x)."""
-    runs: list[list[LayerPlan]] = [[]]
-    for p in sorted(plans, key=lambda p: -p.info.layer):
-        if SCHEMES[p.scheme].dense and p.info.name not in fixed:
-            runs[-1].append(p)
-        elif runs[-1]:
-            runs.append([])
-
-    def cost(run: list[LayerPlan], schemes: list[str]) -> float:
-        total, prev = 0.0, None
-        for p, s in zip(run, schemes):
-            total += marginal[(p.info.layer, s)] if s == prev else p.timings[s].total_s
-            prev = s
-        return total
-
-    for run in runs:
-        present = sorted({p.scheme for p in run})
-        if len(present) < 2:
-            continue
-        options = [d for d in present if all((p.info.layer, d) in marginal for p in run)]
-        best = min(options, key=lambda d: cost(run, [d] * len(run)), default=None)
-        if best is not None and cost(run, [best] * len(run)) <= cost(run, [p.scheme for p in run]):
-            for p in run:
-                if p.scheme != best:
-                    p.scheme, p.reason = best, f"one {best} bucket with its neighbours"
-
-
-#: a layer joins a neighbour's bucket only where that at least halves its time: riding a bucket
-#: is not free (the bucket's first layer waits for the others), and a plan must not flip
-#: between two runs of a job on the noise of the link probe (a resumed run must follow the
-#: same sums, bit for bit)
-JOIN_GAIN = 0.5
-
-
-def _join_buckets(plans: Sequence[LayerPlan], marginal: dict[tuple[int, str], float],
-                  fixed: set[str]) -> None:
-    """Fusion included: a layer beside a layer of a dense scheme can ride in its bucket for
-    that scheme's time without latency; where that is well below the layer's own best time, it
-    joins (a small layer next to a large one: one message instead of two). Swept in release
-    order, then back, so that the first layer released can join the bucket after it."""
-    order = sorted(plans, key=lambda p: -p.info.layer)
-    for sweep in (order, order[::-1]):
-        for prev, p in zip(sweep, sweep[1:]):
-            d = prev.scheme
-            joined = marginal.get((p.info.layer, d))
-            if p.info.name in fixed or d == p.scheme or joined is None:
-                continue
-            if joined < JOIN_GAIN * p.timings[p.scheme].total_s:
-                p.scheme, p.reason = d, f"fastest in {prev.info.name}'s bucket"
 
 
 def _mnk(info: LayerInfo) -> tuple[int, int, int]:
