@@ -22,7 +22,7 @@ import click
 from .console import run_process
 
 #: the modules with compiled kernels, each with ``warm(dtype)``; one job per module and dtype
-PARTS = ("engine.kernels.cpu", "engine.layers.winograd")
+PARTS = ("engine.kernels.cpu", "engine.kernels.cpu_pool", "engine.layers.winograd")
 #: the float types nets compute in; training's nets are float32
 DTYPES = ("float32", "float64")
 #: a liveness bound for one part (its kernels compile in 5-10 s on an idle core)

@@ -25,6 +25,8 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "z" bottom: "y" top: "loss"
 #: the kernels and argument types the engine compiles for one float type
 FLOAT32_KERNELS = {"im2col float32", "max_pool_backward float32,int8",
                    "max_pool_backward float32,int16", "max_pool_backward float32,int32",
+                   "max_pool_forward float32,int8", "max_pool_forward float32,int16",
+                   "max_pool_forward float32,int32",
                    "lrn_forward float32", "lrn_backward float32", "momentum_step float32",
                    "relu float32", "relu_mask float32",
                    "images_last float32", "tiles float32", "outputs float32"}
@@ -87,6 +89,7 @@ def test_numba_is_imported_at_the_first_kernel_call(first, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert sorted(done.stdout.split()) == ["_im2col", "_images_last", "_lrn_backward",
                                            "_lrn_forward", "_max_pool_backward",
+                                           "_max_pool_forward",
                                            "_momentum_step", "_outputs", "_relu",
                                            "_relu_mask", "_tiles"]
 
@@ -98,7 +101,8 @@ def test_warmup_then_train_compiles_nothing(tmp_path):
     lines = first.stderr.splitlines()
     assert lines[0].startswith("poseidon: Compiling the CPU kernels (float32) for this machine")
     assert compiled(first.stderr) == FLOAT32_KERNELS
-    assert lines[-1].startswith("poseidon: The CPU kernels (float32) are ready: 12 compiled")
+    assert lines[-1].startswith(f"poseidon: The CPU kernels (float32) are ready: "
+                                f"{len(FLOAT32_KERNELS)} compiled")
     again = run(tmp_path / "cache", "warmup", "--dtype", "float32")  # idempotent, from the cache
     assert again.returncode == 0
     assert again.stderr.splitlines() == [again.stderr.splitlines()[-1]]

@@ -10,8 +10,9 @@ from engine import backend
 from engine.blob import Blob
 from engine.layer_types import LayerError, create_layer
 from engine.kernels import cpu as compiled
+from engine.kernels import cpu_pool
 from engine.kernels import cuda
-from engine.kernels.geometry import Geometry, conv_out_size, pool_out_size
+from engine.kernels.geometry import Geometry, conv_out_size, index_dtype, pool_out_size
 from engine.layers import im2col as K
 from engine.layers import pool as P
 from engine.layers import vision as V
@@ -561,23 +562,59 @@ def test_compiled_conv_kernels_equal_the_numpy_ones(dtype, geo):
                                   K._col2im_cpu(cols, g, n))
 
 
+def pool_geometry(c: int, h: int, w: int, kh: int, kw: int, sh: int, sw: int, ph: int,
+                  pw: int) -> Geometry:
+    """A pooling window on (c, h, w) planes, Caffe's output size (ceil when padded)."""
+    pad = bool(ph or pw)
+    return Geometry(c, h, w, kh, kw, sh, sw, ph, pw, 1, 1, pool_out_size(h, kh, ph, sh, pad),
+                    pool_out_size(w, kw, pw, sw, pad))
+
+
+@pytest.mark.skipif(not compiled.available(), reason="needs Numba (poseidon[fast])")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("geo", [(3, 3, 2, 2, 0, 0), (3, 2, 2, 1, 1, 1), (3, 3, 2, 2, 2, 2),
+                                 (2, 2, 2, 2, 0, 0), (3, 3, 1, 1, 1, 1), (12, 11, 3, 4, 1, 2)])
+def test_compiled_max_pool_forward_equals_the_numpy_one(dtype, geo):
+    """Top and argmax equal, ties, NaN, -inf, -0.0 and +-FLT_MAX included, and windows past
+    the image (ceil) and padding; a 12x11 window keeps its argmax in int16. Equal values: a
+    window whose maximum is 0.0 and -0.0 keeps the first, as Caffe does, where NumPy's
+    maximum may take either."""
+    kh, kw = geo[:2]
+    n, c, h, w = 2, 3, 13, 12
+    g = pool_geometry(c, h, w, *geo)
+    rng = np.random.default_rng(1)
+    x = (np.round(rng.standard_normal((n, c, h, w)) * 2) / 2).astype(dtype)  # with ties
+    big = np.finfo(dtype).max
+    x.reshape(-1)[rng.choice(x.size, 40, replace=False)] = np.array(
+        [np.nan, -np.inf, np.inf, -0.0, 0.0, -big, big, -1.0] * 5, dtype)
+    x[1, 2] = -np.inf  # a plane of -inf: Caffe's -FLT_MAX floor
+    x[0, 1, :2] = np.nan
+    want_top, want_arg = P._max_pool_forward_cpu(x, g)
+    got_top, got_arg = cpu_pool.max_pool_forward(x, g, want_arg.dtype)
+    assert got_arg.dtype == want_arg.dtype == index_dtype(kh * kw)
+    np.testing.assert_array_equal(got_arg, want_arg)
+    np.testing.assert_array_equal(got_top, want_top)  # NaN in the same places
+    first = np.take_along_axis(x.reshape(n, c, -1), (mask := P.max_pool_mask(got_arg, g)).clip(
+        0, h * w - 1).reshape(n, c, -1), axis=-1).reshape(got_top.shape)
+    inside = (mask >= 0) & (mask < h * w) & (got_top == 0)
+    assert (np.signbit(got_top[inside]) == np.signbit(first[inside])).all()
+
+
 @pytest.mark.skipif(not compiled.available(), reason="needs Numba (poseidon[fast])")
 @pytest.mark.parametrize("geo", [(3, 3, 2, 2, 0, 0), (3, 2, 2, 1, 1, 1), (3, 3, 2, 2, 2, 2),
                                  (2, 2, 2, 2, 0, 0), (3, 3, 1, 1, 1, 1)])
 def test_compiled_max_pool_backward_equals_the_numpy_one(geo):
     """Same routing; the sums of overlapping windows differ only in order (Caffe's here)."""
-    kh, kw, sh, sw, ph, pw = geo
+    kh, kw, sh, sw = geo[:4]
     n, c, h, w = 2, 3, 9, 10
-    pad = bool(ph or pw)
-    g = Geometry(c, h, w, kh, kw, sh, sw, ph, pw, 1, 1, pool_out_size(h, kh, ph, sh, pad),
-                   pool_out_size(w, kw, pw, sw, pad))
+    g = pool_geometry(c, h, w, *geo)
     rng = np.random.default_rng(0)
     x = np.round(rng.standard_normal((n, c, h, w)) * 2).astype(np.float32) / 2  # with ties
     _, arg = P.max_pool_forward(x, g)
     dy = rng.standard_normal(arg.shape).astype(np.float32)
     want, got = np.empty_like(x), np.empty_like(x)
     P._max_pool_backward_cpu(dy, arg, g, want)
-    compiled.max_pool_backward(dy, arg, g, got)
+    cpu_pool.max_pool_backward(dy, arg, g, got)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     if kh <= sh and kw <= sw:  # no overlap: one term per input, so equal to the bit
         np.testing.assert_array_equal(got, want)

@@ -1,5 +1,5 @@
-"""Compiled CPU forms of im2col, col2im, MAX pooling's backward, LRN, ReLU and SGD's momentum
-step, when Numba is there.
+"""Compiled CPU forms of im2col, col2im, LRN, ReLU and SGD's momentum step, when Numba is
+there (MAX pooling's: engine/kernels/cpu_pool.py; Winograd's: engine/layers/winograd.py).
 
 NumPy pays per inner loop, and the window kernels' inner loops are a window row (LeNet's
 conv2: 8 elements), so its forms in ``im2col`` run at a few GB/s; Caffe's plain C loops run
@@ -220,31 +220,6 @@ def _im2col(im, col, adjoint, n, channels, height, width, kh, kw, sh, sw, ph, pw
                             _fill(col, dst, ow)
 
 
-@jit
-def _max_pool_backward(dy, arg, out, planes, height, width, kh, kw, sh, sw, ph, pw, oh,
-                       ow):  # pragma: no cover - compiled
-    # Caffe's order: zero, then each output adds its gradient at its argmax, in scan order.
-    # ``arg`` is the window offset (row-major in the kernel); tables turn it into (i, j)
-    # without a division per output.
-    di = np.empty(kh * kw, dtype=np.int64)
-    dj = np.empty(kh * kw, dtype=np.int64)
-    for k in range(kh * kw):
-        di[k], dj[k] = k // kw, k % kw
-    _fill(out, 0, out.size)
-    o = np.uint64(0)
-    for p in range(planes):
-        plane = p * height * width
-        for y in range(oh):
-            h0 = y * sh - ph
-            for xo in range(ow):
-                k = np.uint64(arg[o])
-                h = h0 + di[k]
-                w = xo * sw - pw + dj[k]
-                if 0 <= h < height and 0 <= w < width:
-                    out[np.uint64(plane + h * width + w)] += dy[o]
-                o += np.uint64(1)
-
-
 @inline
 def _channel_window(buf, c, channels, plane, pre, size, out, o):  # pragma: no cover
     # out[o:o+plane] = the sum of buf's planes c-pre .. c-pre+size-1, zero padded, added in
@@ -376,13 +351,6 @@ def col2im(col: np.ndarray, g: Any, out: np.ndarray) -> np.ndarray:
     return out
 
 
-def max_pool_backward(dy: np.ndarray, arg: np.ndarray, g: Any, out: np.ndarray) -> None:
-    """Route each top gradient to its argmax, overwriting ``out`` (n, C, H, W)."""
-    _max_pool_backward(flat(dy), flat(arg), flat_out(out), out.shape[0] * g.channels, g.height,
-                       g.width, g.kernel_h, g.kernel_w, g.stride_h, g.stride_w, g.pad_h,
-                       g.pad_w, g.out_h, g.out_w)
-
-
 @jit
 def _momentum_step(h, d, momentum, rate):  # pragma: no cover - compiled
     for i in range(np.uint64(h.size)):
@@ -456,14 +424,11 @@ def warm(dtype: Any) -> None:
     """Compile, or load from the disk cache, every kernel of this module for ``dtype`` arrays,
     called as the layers and solvers call them (the same argument types, so the same
     signatures), on inputs of a few elements."""
-    from .geometry import INDEX_DTYPES, Geometry
+    from .geometry import Geometry
 
     g = Geometry(channels=1, height=3, width=3, kernel_h=2, kernel_w=2, out_h=2, out_w=2)
     x = np.zeros((1, 1, 3, 3), dtype)
-    dy = np.zeros((1, 1, 2, 2), dtype)
     col2im(im2col(x, g), g, np.empty_like(x))
-    for index in INDEX_DTYPES:
-        max_pool_backward(dy, np.zeros(dy.shape, index), g, np.empty_like(x))
     top, scale, factor = lrn_forward(x, 1, 1.0, 0.75, 1.0)
     lrn_backward(x, top, top, scale, factor, 1, 1.0, np.empty_like(x))
     momentum_step(np.zeros(1, dtype), np.zeros(1, dtype), np.float32(0.9), np.float32(0.1))

@@ -1,11 +1,11 @@
 """Pooling's window kernels: max and average pooling and their backwards.
 
 Each has a fast CPU form (NumPy over the kh*kw window offsets of wide, cache-sized runs of
-planes; MAX's backward in Numba when it is there) and a GPU form (engine/kernels/cuda.py),
-chosen by the array module of the input. They follow Caffe's CPU loops exactly: MAX keeps the
-first maximum in row-major scan order (Caffe's strict ``>``), windows are clipped to the image,
-AVE divides by the window clipped to the padded image (``pool_size`` computed before clipping
-to the image).
+planes; MAX's in Numba when it is there, engine/kernels/cpu_pool.py) and a GPU form
+(engine/kernels/cuda.py), chosen by the array module of the input. They follow Caffe's CPU
+loops exactly: MAX keeps the first maximum in row-major scan order (Caffe's strict ``>``),
+windows are clipped to the image, AVE divides by the window clipped to the padded image
+(``pool_size`` computed before clipping to the image).
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import backend
 from ..kernels import cpu as compiled
+from ..kernels import cpu_pool
 from ..kernels import cuda
 from ..kernels.geometry import Geometry, index_dtype
 
@@ -214,6 +215,8 @@ def _ave_pool_backward_cpu(dy: np.ndarray, g: Geometry, out: np.ndarray) -> None
 def max_pool_forward(x: Any, g: Geometry) -> tuple[Any, Any]:
     """MAX pooling of (n, C, H, W): the top and an argmax record for the backward pass."""
     if not backend.is_gpu_array(x):
+        if compiled.available() and not _is_global(g):
+            return cpu_pool.max_pool_forward(x, g, index_dtype(g.window))
         return _max_pool_forward_cpu(x, g)
     import cupy
     x = cupy.ascontiguousarray(x)
@@ -228,7 +231,7 @@ def max_pool_backward(dy: Any, arg: Any, g: Geometry, out: Any) -> None:
     """Route each top gradient to its argmax, overwriting ``out`` (n, C, H, W), C-contiguous."""
     if not backend.is_gpu_array(dy):
         if compiled.available() and not _is_global(g):
-            compiled.max_pool_backward(dy, arg, g, out)
+            cpu_pool.max_pool_backward(dy, arg, g, out)
         else:
             _max_pool_backward_cpu(dy, arg, g, out)
         return
