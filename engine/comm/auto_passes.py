@@ -24,13 +24,15 @@ def _spins(scheme: str) -> bool:
 
 def spinning_engine_alone(plans: Sequence[Any], fixed: set[str]) -> None:
     """A blocking engine (MPI) carries every layer of the plan or none. Its calls busy-poll
-    until the sum is complete, and beside the other schemes' traffic a sum waits for it the
-    while: measured through 1 Gbit/s (4 workers, the bench's FC-heavy net), one 800-byte MPI
+    until the sum is complete, and beside the other schemes' traffic its sums were slow:
+    through 1 Gbit/s (4 workers on 2 cores, the bench's FC-heavy net) one 800-byte MPI
     allreduce a round beside SFB's factors took PS + SFB from 2.21x DDP to 0.93x (Gloo's, which
     sleeps while it waits, 1.84x), and auto's per-layer mix of MPI and SFB ran at 0.46-0.61 of
-    PS + SFB's speed in the same runs. The per-layer prices cannot see that, so auto compares the whole plans: each blocking
-    engine on every layer, against the cheapest plan without them."""
-    if not any(_spins(p.scheme) for p in plans):
+    PS + SFB's speed in the same runs. The per-layer prices, each engine probed alone, cannot
+    see that, so auto compares whole plans: each blocking engine on every layer, against the
+    cheapest plan without them (a tie goes to the plan without)."""
+    spinning = sorted({p.scheme for p in plans if _spins(p.scheme)})
+    if not spinning:
         return
     free = [p for p in plans if p.info.name not in fixed]
     best: dict[str, tuple[float, list[str]]] = {}
@@ -39,17 +41,17 @@ def spinning_engine_alone(plans: Sequence[Any], fixed: set[str]) -> None:
                        key=lambda s: p.timings[s].total_s) for p in free]
         best[""] = (sum(p.timings[s].total_s for p, s in zip(free, without)), without)
     kept = {p.scheme for p in plans if p.info.name in fixed}
-    for engine in {s for p in plans for s in p.timings if _spins(s)}:
+    for engine in sorted({s for p in plans for s in p.timings if _spins(s)}):
         if all(engine in p.timings for p in free) and kept <= {engine}:
             best[engine] = (sum(p.timings[engine].total_s for p in free), [engine] * len(free))
     if not best:
         return
-    choice = min(best, key=lambda e: (best[e][0], e != ""))
+    choice = min(best, key=lambda e: (best[e][0], e != "", e))
     for p, s in zip(free, best[choice][1]):
         if p.scheme != s:
             p.scheme = s
-            p.reason = (f"fastest without {', '.join(sorted(e for e in best if e))} (it "
-                        "busy-waits beside other traffic)" if choice == "" else
+            p.reason = (f"fastest without {', '.join(spinning)} (it busy-waits beside other "
+                        "traffic)" if choice == "" else
                         f"{choice} on every layer (it busy-waits beside other traffic)")
 
 
@@ -59,7 +61,8 @@ def unify_runs(plans: Sequence[Any], marginal: dict[tuple[int, str], float],
     each bucket pays its latency once: where one of their schemes for the whole run costs no
     more than the mix (its first layer's time plus the others' latency-free times), all take it.
     Two small layers a hair apart in price then share one bucket instead of paying two rounds
-    (measured: the conv net on 1 Gbit/s links planned PS + ring, 0.81x DDP; one scheme 0.96-1.01x)."""
+    (measured: the conv net on 1 Gbit/s links planned PS + ring, 0.81x DDP; one scheme
+    0.96-1.01x)."""
     runs: list[list[Any]] = [[]]
     for p in sorted(plans, key=lambda p: -p.info.layer):
         if SCHEMES[p.scheme].dense and p.info.name not in fixed:
