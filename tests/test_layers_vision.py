@@ -702,12 +702,9 @@ def test_gpu_conv_kernels_on_cpu(cuda_source_on_cpu, geo):
 @pytest.mark.parametrize("geo", [(3, 3, 2, 2, 0, 0), (3, 2, 2, 1, 1, 1), (3, 3, 2, 2, 2, 2),
                                  (2, 2, 2, 2, 0, 0)])
 def test_gpu_pool_kernels_on_cpu(cuda_source_on_cpu, geo):
-    kh, kw, sh, sw, ph, pw = geo
     n, c, h, w = 2, 3, 6, 7
-    pad = bool(ph or pw)
-    g = Geometry(c, h, w, kh, kw, sh, sw, ph, pw, 1, 1, pool_out_size(h, kh, ph, sh, pad),
-                   pool_out_size(w, kw, pw, sw, pad))
-    dims = (c, h, w, kh, kw, sh, sw, ph, pw, g.out_h, g.out_w)
+    g = pool_geometry(c, h, w, *geo)
+    dims = (c, h, w, *geo, g.out_h, g.out_w)
     rng = np.random.default_rng(0)
     x = np.round(rng.standard_normal((n, c, h, w)) * 2) / 2  # ties: first in scan order wins
     lib = cuda_source_on_cpu

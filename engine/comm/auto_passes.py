@@ -19,7 +19,7 @@ from .schemes import SCHEMES
 def _spins(scheme: str) -> bool:
     """An engine whose calls block, busy-polling until the sum is complete (MPI)."""
     cls = SCHEMES[scheme]
-    return bool(cls.engine and getattr(cls, "backend", None) is not None and cls.backend.blocking)
+    return cls.engine and cls.backend.blocking  # type: ignore[attr-defined]
 
 
 def spinning_engine_alone(plans: Sequence[Any], fixed: set[str]) -> None:
@@ -41,7 +41,7 @@ def spinning_engine_alone(plans: Sequence[Any], fixed: set[str]) -> None:
                        key=lambda s: p.timings[s].total_s) for p in free]
         best[""] = (sum(p.timings[s].total_s for p, s in zip(free, without)), without)
     kept = {p.scheme for p in plans if p.info.name in fixed}
-    for engine in sorted({s for p in plans for s in p.timings if _spins(s)}):
+    for engine in spinning:
         if all(engine in p.timings for p in free) and kept <= {engine}:
             best[engine] = (sum(p.timings[engine].total_s for p in free), [engine] * len(free))
     if not best:

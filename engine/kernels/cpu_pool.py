@@ -64,8 +64,7 @@ def _max_pool_backward(dy, arg, out, planes, height, width, kh, kw, sh, sw, ph, 
     dj = np.empty(kh * kw, dtype=np.int64)
     for k in range(kh * kw):
         di[k], dj[k] = k // kw, k % kw
-    for t in range(np.uint64(out.size)):
-        out[t] = 0
+    out[:] = 0
     o = np.uint64(0)
     for p in range(planes):
         plane = p * height * width

@@ -256,10 +256,10 @@ def run_poseidon(work: Path, db: Path, workers: int, variant: str, iters: int,
             (d / "hosts").write_text(place.hosts_text())
             cmd += ["--hosts", str(d / "hosts"), "--comm", comm, *extra]
         io = dict(cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        mpiexec = mpi_launcher() if comm in ("mpi", "auto") else None
         mpi = comm == "mpi" or (comm == "auto" and "--trusted-network" in extra
-                                and mpi_launcher() is not None)
+                                and mpiexec is not None)
         if workers > 1 and mpi:  # MPI's launcher starts the ranks (rank 0 the stats)
-            mpiexec = mpi_launcher()
             if mpiexec is None:
                 raise RuntimeError("the mpi scheme needs mpi4py and mpiexec: pip install "
                                    "'poseidon[mpi]'")
