@@ -1,9 +1,13 @@
 """Start-up probes: the link's alpha and beta, and this machine's add and GEMM speeds.
 
-Rank 0 measures before it plans (a few milliseconds): round trips of an empty message and of
-a large one to rank 1 (rank 1's transport echoes them at once), so alpha = half the fastest empty
-round trip and beta = the extra time per byte of the large one, one way. On a shared machine
-these are noisy; ``--link`` replaces the probe with a given bandwidth and latency.
+Rank 0 measures before it plans (a few milliseconds on a fast link): round trips of an empty
+message and of a 4 MB stream to rank 1 (rank 1's transport echoes each message at once), so
+alpha = half the fastest empty round trip and beta = the extra time per byte of the stream. A
+stream, not one message: a link shaped by a token bucket (a cloud VM's NIC, the benches' tbf)
+lets a burst through above its rate, and one 1 MB message read a 1 Gbit/s tbf link (a 500 KB
+burst) at 1.75 Gbit/s, where a 4 MB stream reads it within the burst's 12%, as gradients meet
+it. On a shared machine these are noisy; ``--link`` replaces the probe with a given bandwidth
+and latency.
 """
 from __future__ import annotations
 
@@ -17,32 +21,40 @@ from .cost import Device
 from .link import Link
 from .transport import PROBE_ASK, Endpoint, PeerId, header, message_key
 
+#: the frames of a large round trip, and how many bytes it streams in them
 PROBE_BYTES = 1 << 20
+STREAM_BYTES = 4 << 20
 #: no link is faster than memory: 1 / 100 GB/s
 MIN_BETA = 1e-11
 
 
-def probe_link(ep: Endpoint, peer: PeerId, small: int = 12, large: int = 5) -> Link:
-    """alpha and beta of the link to ``peer`` from round trips (``small`` empty, ``large`` of
-    up to 1 MB: no more than the job's largest frame)."""
+def probe_link(ep: Endpoint, peer: PeerId, small: int = 12, large: int = 3) -> Link:
+    """alpha and beta of the link to ``peer`` from round trips (``small`` empty, ``large``
+    streams of STREAM_BYTES in frames of up to 1 MB: no more than the job's largest frame)."""
     start = time.perf_counter()
     nbytes = min(PROBE_BYTES, ep.max_frame_bytes or PROBE_BYTES) // 4 * 4
+    frames = max(STREAM_BYTES // max(nbytes, 1), 1)
     payload = np.zeros(nbytes // 4, np.float32)
     times: dict[bool, list[float]] = {False: [], True: []}
+    rnd = 0
     for i in range(small + large):
         big = i >= small
+        sent = range(rnd, rnd + (frames if big else 1))
+        rnd = sent.stop
         t = time.perf_counter()
-        ep.send(peer, header(pb.PROBE, op=PROBE_ASK, round=i), [payload] if big else [])
-        ep.wait_for([message_key(pb.PROBE, peer, i)], "the link probe's echo")
+        for r in sent:  # a stream: each frame follows the last at once, the echoes alike
+            ep.send(peer, header(pb.PROBE, op=PROBE_ASK, round=r), [payload] if big else [])
+        ep.wait_for([message_key(pb.PROBE, peer, r) for r in sent], "the link probe's echo")
         times[big].append(time.perf_counter() - t)
     # the fastest round trips: on a shared machine the others measure its other work
     empty = min(times[False])
     full = min(times[True])
     alpha = empty / 2
-    beta = max((full - empty) / 2 / max(nbytes, 1), MIN_BETA)
+    # the stream goes out and comes back at once, both ways; its last frame's echo after it
+    beta = max((full - empty) / ((frames + 1) * max(nbytes, 1)), MIN_BETA)
     took = (time.perf_counter() - start) * 1e3
-    return Link(alpha, beta, f"probed to {ep.name_of(peer)}: {small} empty and {large} "
-                             f"{nbytes >> 10} KB round trips in {took:.1f} ms")
+    return Link(alpha, beta, f"probed to {ep.name_of(peer)}: {small} empty round trips and "
+                             f"{large} of {frames * nbytes >> 10} KB in {took:.1f} ms")
 
 
 def probe_device(on_gpu: bool = False) -> Device:
