@@ -336,6 +336,9 @@ def run(workers: list[int], comms: list[str], iters: int, work: Path, with_ddp: 
                 if ddp:
                     line += (f", DDP {ddp['images_per_s']:8.0f} img/s, "
                              f"ratio {r['ratio_vs_ddp']:.2f}")
+                    if repeats > 1:  # each repeat against DDP's median: where runs split
+                        ratios = [x / ddp["images_per_s"] for x in r["images_per_s_runs"]]
+                        line += f" (runs {min(ratios):.2f}-{max(ratios):.2f})"
                 if n > 1:
                     line += (f"; wait {r['wait_ms_per_iter']:.1f} ms/iter, "
                              f"{100 * r['hidden_fraction']:.0f}% hidden, "
