@@ -2,7 +2,7 @@
 
 Two workers' endpoints in two network namespaces joined by a 1 Gbit/s link shaped with tbf,
 whose bucket lets 500 KB through at veth's speed (engine/perf/netns.py): one 1 MB message
-read it at 1.75 Gbit/s, which made auto price Poseidon's own schemes on a link 1.75x faster
+read it at 1.70-1.80 Gbit/s, which made auto price Poseidon's own schemes on a link 1.75x faster
 than the engines' (whose probe streams 4 MB) and plan hd where MPI ran 1.3x faster. Needs root
 and iproute2; skipped, saying so, without them.
 """

@@ -4,10 +4,10 @@ Rank 0 measures before it plans (a few milliseconds on a fast link): round trips
 message and of a 4 MB stream to rank 1 (rank 1's transport echoes each message at once), so
 alpha = half the fastest empty round trip and beta = the extra time per byte of the stream. A
 stream, not one message: a link shaped by a token bucket (a cloud VM's NIC, the benches' tbf)
-lets a burst through above its rate, and one 1 MB message read a 1 Gbit/s tbf link (a 500 KB
-burst) at 1.75 Gbit/s, where a 4 MB stream reads it within the burst's 12%, as gradients meet
-it. On a shared machine these are noisy; ``--link`` replaces the probe with a given bandwidth
-and latency.
+lets a burst through above its rate: one 1 MB message read a 1 Gbit/s tbf link (a 500 KB
+burst) at 1.70-1.80 Gbit/s, a 4 MB stream reads it at 1.17-1.20, nearer the rate a round's
+gradients meet. On a shared machine these are noisy; ``--link`` replaces the probe with a
+given bandwidth and latency.
 """
 from __future__ import annotations
 
@@ -21,9 +21,11 @@ from .cost import Device
 from .link import Link
 from .transport import PROBE_ASK, Endpoint, PeerId, header, message_key
 
-#: the frames of a large round trip, and how many bytes it streams in them
+#: the frames of a large round trip, and how many bytes it streams in them (in at most
+#: MAX_FRAMES frames, whatever the job's largest frame)
 PROBE_BYTES = 1 << 20
 STREAM_BYTES = 4 << 20
+MAX_FRAMES = 64
 #: no link is faster than memory: 1 / 100 GB/s
 MIN_BETA = 1e-11
 
@@ -33,7 +35,7 @@ def probe_link(ep: Endpoint, peer: PeerId, small: int = 12, large: int = 3) -> L
     streams of STREAM_BYTES in frames of up to 1 MB: no more than the job's largest frame)."""
     start = time.perf_counter()
     nbytes = min(PROBE_BYTES, ep.max_frame_bytes or PROBE_BYTES) // 4 * 4
-    frames = max(STREAM_BYTES // max(nbytes, 1), 1)
+    frames = min(max(STREAM_BYTES // max(nbytes, 1), 1), MAX_FRAMES)
     payload = np.zeros(nbytes // 4, np.float32)
     times: dict[bool, list[float]] = {False: [], True: []}
     rnd = 0
