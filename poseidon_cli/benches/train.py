@@ -20,12 +20,19 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 from poseidon_cli.launch.hostfile import free_base_port
 
 ROOT = Path(__file__).resolve().parents[2]
+#: seconds between one run's end and the next one's start: the kernel frees a run's memory
+#: and namespaces for seconds after its processes exit (MemFree still rose by 16 MB/s 5 s
+#: after a run), and MPI's ranks, which busy-poll, ran at 0.60-0.80 of DDP right after a
+#: Gloo run, 0.92-0.98 two seconds later and 0.99-1.02 five seconds later (FC-heavy net,
+#: 1 Gbit/s, runs of three); every run, DDP's too, waits the same
+SETTLE_S = 3.0
 BATCH = 32
 HIDDEN = 1024
 
@@ -319,8 +326,10 @@ def run(workers: list[int], comms: list[str], iters: int, work: Path, with_ddp: 
             runs: dict[str, list[dict[str, Any]]] = {}
             for k in range(repeats):  # alternate: DDP, then each scheme, then again
                 if with_ddp:
+                    time.sleep(SETTLE_S)
                     runs.setdefault("ddp", []).append(run_ddp(db, n, iters, net, bits_per_s))
                 for comm in (comms if n > 1 else ["-"]):
+                    time.sleep(SETTLE_S)
                     runs.setdefault(comm, []).append(
                         run_poseidon(work / f"r{k}", db, n, comm, iters, net, bits_per_s,
                                      common))
