@@ -239,6 +239,8 @@ def _bare_peers(peers: list[str], rank: int, world: int,
 
 
 if __name__ == "__main__":
-    child(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
-    sys.stdout.flush()
-    os._exit(0)  # without gloo's and MPI's teardown: every rank wrote its times
+    from poseidon_cli.console import run_process
+
+    # without the interpreter's teardown, but through MPI_Finalize (atexit): each os._exit
+    # left MPICH's shared-memory segment in /dev/shm
+    run_process(lambda: child(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None))
