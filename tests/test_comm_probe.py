@@ -9,19 +9,15 @@ and iproute2; skipped, saying so, without them.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-
-import pytest
 
 from engine.comm.auth import KEY_ENV, key_hex, new_key
 from engine.perf.netns import EmulatedCluster
 from tests.test_comm_train import ROOT
+from tests.test_perf_netns import needs_namespaces
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
-    reason="network namespaces need root and iproute2 (ip, tc)")
+pytestmark = needs_namespaces
 
 RATE = 1e9
 

@@ -8,23 +8,18 @@ without them.
 """
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 import sys
 import time
-
-import pytest
 
 from engine.comm.auth import write_key_file
 from engine.perf.netns import EmulatedCluster, _kill_in_namespace
 from tests.test_comm_train import ROOT, digits_db, write_run  # noqa: F401
 from tests.test_elastic_train import LINE_S
+from tests.test_perf_netns import needs_namespaces
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
-    reason="network namespaces need root and iproute2 (ip, tc)")
+pytestmark = needs_namespaces
 
 K = 5
 

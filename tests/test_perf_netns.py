@@ -15,9 +15,11 @@ import pytest
 
 from engine.perf.netns import EmulatedCluster, cleanup_stale, leftovers, link_mtu
 
-pytestmark = pytest.mark.skipif(
+#: what every test of the emulated cluster needs (this file's, and those that import it)
+needs_namespaces = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
     reason="network namespaces need root and iproute2 (ip, tc)")
+pytestmark = needs_namespaces
 
 SINK = """
 import socket, sys
