@@ -43,8 +43,8 @@ class SufficientFactors(ABC):
         """Take this pass's factors without computing the gradient (replayed compute)."""
 
     @abstractmethod
-    def rebuild_gradient(self, u: Any, v: Any, world: int) -> None:
-        """Set the weight gradient, and the bias's if the layer has one, to the mean over
-        ``world`` workers from their factors: ``u`` and ``v`` hold every worker's rows, in
+    def rebuild_gradient(self, u: Any, v: Any) -> None:
+        """Set the weight gradient, and the bias's if the layer has one, to the sum over the
+        workers from their factors: ``u`` and ``v`` hold every worker's rows, in
         an order every worker shares, so every replica computes the very same bits. On the
         device the parameters live on (the layer's work, as its backward is)."""

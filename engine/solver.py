@@ -5,8 +5,9 @@ numbers and the log (Caffe's tools parse the log). Two things go beyond Caffe:
 
 - **A per-layer update, for the communicator.** ``update_layer(l)`` applies the update of the
   parameters that layer ``l`` owns. With a sync attached (``attach_sync``), the last backward
-  pass of an iteration hands each finished layer to ``sync.release(l)``, which averages the
-  gradients over the workers and calls ``update_layer(l)`` back; the next forward calls
+  pass of an iteration hands each finished layer to ``sync.release(l)``, which sums the
+  gradients over the workers and calls ``update_layer(l)`` back (the update takes their mean,
+  in the pass it makes anyway); the next forward calls
   ``sync.wait(l)`` before layer ``l`` runs (wait-free backpropagation, DESIGN.md). A sync may
   take SGD's momentum over for some layers (sparse communication's momentum correction): their
   gradients are then regularized before release and updated without the solver's history.
@@ -36,7 +37,7 @@ from . import timeline
 from .evaluation import TestResult, loss_weights, run_test_passes, score_line
 from .solver_nets import SolverNets
 from .solver_snapshots import SolverSnapshots
-from .solvers import SolverError, clip_scale, learning_rate, make_rule, normalize, regularize, \
+from .solvers import Preprocess, SolverError, clip_scale, learning_rate, make_rule, normalize, \
     solver_type
 
 f32 = np.float32
@@ -46,7 +47,7 @@ class GradientSync(Protocol):
     """What the communicator plugs into the loop (engine.comm's syncer implements it)."""
 
     def release(self, layer_index: int) -> None:
-        """Layer's local gradients are final: make them the global mean, then call
+        """Layer's local gradients are final: put every worker's sum in their place, then call
         ``solver.update_layer(layer_index)`` (on any thread)."""
 
     def wait(self, layer_index: int) -> None:
@@ -146,6 +147,8 @@ class Solver(SolverNets, SolverSnapshots):
         self.smoothed_loss = 0.0
         self._losses: list[float] = []
         self._sync: GradientSync | None = None
+        #: how many workers' gradients the attached sync sums (attach_sync)
+        self._workers = 1
         #: learnable params whose momentum the sync applies (attach_sync's momentum_by_sync)
         self._momentum_by_sync: frozenset[int] = frozenset()
         self._requests: list[str] = []
@@ -169,9 +172,10 @@ class Solver(SolverNets, SolverSnapshots):
         load_trained_weights([self.net, *self.test_nets], path)
 
     # -- the sync hook --------------------------------------------------------------------
-    def attach_sync(self, sync: GradientSync | None, momentum_by_sync: Collection[int] = ()
-                    ) -> None:
-        """Let ``sync`` average gradients per layer and drive ``update_layer`` (None: detach).
+    def attach_sync(self, sync: GradientSync | None, momentum_by_sync: Collection[int] = (),
+                    workers: int = 1) -> None:
+        """Let ``sync`` sum gradients per layer and drive ``update_layer`` (None: detach).
+        ``workers``: how many workers' gradients each of its sums holds (the update divides).
 
         ``momentum_by_sync``: layers whose SGD momentum ``sync`` applies itself, at the rate
         ``sync_momentum()`` gave it (engine/comm/codecs/sparse.py). Their gradients are
@@ -181,6 +185,7 @@ class Solver(SolverNets, SolverSnapshots):
         if momentum_by_sync:
             self.sync_momentum()
         self._sync = sync
+        self._workers = workers if sync is not None else 1
         self._momentum_by_sync = frozenset(i for layer in momentum_by_sync
                                            for i in self._layer_params.get(layer, ()))
 
@@ -205,11 +210,13 @@ class Solver(SolverNets, SolverSnapshots):
         if self.param.clip_gradients >= 0:
             return
         for i in self._layer_params.get(layer_index, ()):
-            self._update_param(i)
+            self._update_param(i, self._workers)
 
     def apply_update(self) -> None:
         """Caffe's ApplyUpdate for all parameters: clip, then each param's update."""
         params = self.net.learnable_params
+        for p in params:  # the norm is the mean's: the workers' first
+            normalize(p.diff, 1, self._workers)
         clipped = clip_scale([p.diff for p in params], self.param.clip_gradients)
         if clipped is not None:
             norm, scale = clipped
@@ -218,32 +225,34 @@ class Solver(SolverNets, SolverSnapshots):
             for p in params:
                 p.diff *= f32(scale)
         for i in range(self._n_params):
-            self._update_param(i)
+            self._update_param(i, 1)
 
-    def _update_param(self, i: int) -> None:
+    def _update_param(self, i: int, workers: int) -> None:
+        """Param ``i``'s update, its gradient the sum of ``workers`` workers'."""
         blob = self.net.learnable_params[i]
         local_rate = float(f32(self.rate) * f32(self.net.params_lr[i]))
         if i in self._momentum_by_sync:  # the sync's mean is the velocity (see attach_sync)
+            normalize(blob.diff, 1, workers)
             blob.diff *= f32(local_rate)
         else:
-            self._preprocess(i)
             hist = [self.history[k * self._n_params + i] for k in range(self.rule.histories)]
-            self.rule.compute(blob.diff, hist, local_rate, self._update_iter)
+            self.rule.step(blob.data, blob.diff, hist, local_rate, self._update_iter,
+                           self._preprocess(i, workers))
         blob.data -= blob.diff
 
-    def _preprocess(self, i: int) -> None:
-        """Caffe's Normalize and Regularize of param ``i``'s gradient."""
+    def _preprocess(self, i: int, workers: int) -> Preprocess:
+        """Caffe's Normalize and Regularize of param ``i``'s gradient, the sum of
+        ``workers``'."""
         p = self.param
-        blob = self.net.learnable_params[i]
-        normalize(blob.diff, p.iter_size)
-        regularize(blob.data, blob.diff, float(f32(p.weight_decay) * f32(self.net.params_weight_decay[i])),
-                   p.regularization_type)
+        decay = float(f32(p.weight_decay) * f32(self.net.params_weight_decay[i]))
+        return Preprocess(workers, p.iter_size, decay, p.regularization_type)
 
     def _release(self, layer_index: int) -> None:
         """Hand a layer's final gradients to the sync (the last backward pass's hook)."""
         for i in self._layer_params.get(layer_index, ()):
             if i in self._momentum_by_sync:
-                self._preprocess(i)
+                blob = self.net.learnable_params[i]
+                self._preprocess(i, 1).apply(blob.data, blob.diff)
         self._sync.release(layer_index)  # type: ignore[union-attr]
 
     def _begin_update(self) -> None:
@@ -276,6 +285,7 @@ class Solver(SolverNets, SolverSnapshots):
         if self._sync is not None:
             self._sync.close()
             self._sync = None
+            self._workers = 1
         for net in [self.net, *self.test_nets]:
             for layer in net.data_layers:
                 if hasattr(layer, "close"):

@@ -12,6 +12,7 @@ holds the squared-update history; Adam: k=0 is m, k=1 is v).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -97,8 +98,16 @@ def learning_rate(param: Any, it: int, current_step: int) -> tuple[float, int]:
 # ---------------------------------------------------------------------------------------
 # Gradient preprocessing shared by every rule (Caffe's Normalize, Regularize, ClipGradients)
 # ---------------------------------------------------------------------------------------
-def normalize(diff: Any, iter_size: int) -> None:
-    """Gradients summed over iter_size passes become their mean."""
+def normalize(diff: Any, iter_size: int, workers: int = 1) -> None:
+    """Gradients summed over iter_size passes, and over ``workers`` workers (the communicator
+    delivers their sum), become their mean: the workers' first, as a divide, or, for a power
+    of two, a multiply by its inverse, which is exact, so the same bits (a divide costs this
+    CPU 2.3x a multiply over 1 MB)."""
+    if workers > 1:
+        if workers & (workers - 1):
+            diff /= f32(workers)
+        else:
+            diff *= f32(1) / f32(workers)
     if iter_size > 1:
         diff *= f32(1) / f32(iter_size)
 
@@ -115,6 +124,22 @@ def regularize(data: Any, diff: Any, local_decay: float, kind: str) -> None:
         diff += decay * xp.sign(data)
     else:
         raise SolverError(f"solver: unknown regularization_type \"{kind}\" (known: L1, L2)")
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    """Caffe's Normalize and Regularize of one parameter's gradient: what every rule's
+    ``step`` does before its ``compute`` (SGD's does all of it in one pass). ``workers``: the
+    gradient is the sum of that many workers' (the mean is taken here, in the pass the update
+    makes anyway, not in a pass of the communicator's own)."""
+    workers: int
+    iter_size: int
+    decay: float
+    kind: str
+
+    def apply(self, data: Any, diff: Any) -> None:
+        normalize(diff, self.iter_size, self.workers)
+        regularize(data, diff, self.decay, self.kind)
 
 
 def clip_scale(diffs: Sequence[Any], clip: float) -> tuple[float, float] | None:
@@ -145,6 +170,12 @@ class UpdateRule:
         self.momentum = f32(param.momentum)
         self.delta = f32(param.delta)
 
+    def step(self, data: Any, diff: Any, history: Sequence[Any], local_rate: float, it: int,
+             pre: Preprocess) -> None:
+        """Preprocess ``diff`` (``pre``), then overwrite it with the update."""
+        pre.apply(data, diff)
+        self.compute(diff, history, local_rate, it)
+
     def compute(self, diff: Any, history: Sequence[Any], local_rate: float, it: int) -> None:
         """Overwrite ``diff`` with the update; ``history`` are this parameter's blobs."""
         raise NotImplementedError
@@ -153,9 +184,18 @@ class UpdateRule:
 class SGD(UpdateRule):
     name = "SGD"
 
+    def step(self, data: Any, diff: Any, history: Sequence[Any], local_rate: float, it: int,
+             pre: Preprocess) -> None:
+        # the mean, Normalize, L2's Regularize and the momentum in one pass where compiled
+        if (pre.kind == "L2" or not pre.decay) and compiled.sgd_step(
+                history[0], diff, data, pre.workers, pre.iter_size, f32(pre.decay),
+                self.momentum, f32(local_rate)):
+            return
+        super().step(data, diff, history, local_rate, it, pre)
+
     def compute(self, diff: Any, history: Sequence[Any], local_rate: float, it: int) -> None:
         h = history[0]
-        if compiled.momentum_step(h, diff, self.momentum, f32(local_rate)):
+        if compiled.sgd_step(h, diff, diff, 1, 1, f32(0), self.momentum, f32(local_rate)):
             return
         h *= self.momentum
         h += f32(local_rate) * diff

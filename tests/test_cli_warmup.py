@@ -27,7 +27,7 @@ FLOAT32_KERNELS = {"im2col float32", "max_pool_backward float32,int8",
                    "max_pool_backward float32,int16", "max_pool_backward float32,int32",
                    "max_pool_forward float32,int8", "max_pool_forward float32,int16",
                    "max_pool_forward float32,int32",
-                   "lrn_forward float32", "lrn_backward float32", "momentum_step float32",
+                   "lrn_forward float32", "lrn_backward float32", "sgd_step float32",
                    "relu float32", "relu_mask float32",
                    "images_last float32", "tiles float32", "outputs float32"}
 
@@ -66,8 +66,8 @@ from engine.kernels import cpu
 assert "numba" not in sys.modules, "imported with the engine"
 first = sys.argv[1]
 if first == "cpu":
-    cpu.momentum_step(np.zeros(3, np.float32), np.ones(3, np.float32), np.float32(0.5),
-                      np.float32(2))
+    cpu.sgd_step(np.zeros(3, np.float32), np.ones(3, np.float32), np.ones(3, np.float32), 1, 1,
+                 np.float32(0), np.float32(0.5), np.float32(2))
     assert "numba" in sys.modules
 from engine.layers import winograd
 winograd.warm(np.dtype(np.float32))  # loaded after the first kernel ran, or before it
@@ -90,8 +90,8 @@ def test_numba_is_imported_at_the_first_kernel_call(first, tmp_path):
     assert sorted(done.stdout.split()) == ["_im2col", "_images_last", "_lrn_backward",
                                            "_lrn_forward", "_max_pool_backward",
                                            "_max_pool_forward",
-                                           "_momentum_step", "_outputs", "_relu",
-                                           "_relu_mask", "_tiles"]
+                                           "_outputs", "_relu",
+                                           "_relu_mask", "_sgd_step", "_tiles"]
 
 
 @pytest.mark.slow

@@ -356,6 +356,8 @@ class _Host:
 
     def done(self, unit, rnd: int, bits: int) -> None:
         self.applied.append((rnd, unit.id, float(unit.params[0].blob.diff[0]), bits))
+        for p in unit.params:  # the next backward's gradients: this rank's again
+            p.blob.diff[...] = self.rank + unit.id
 
     def raise_if_failed(self) -> None:
         pass
@@ -443,16 +445,16 @@ def test_two_ranks_sum_in_one_order_and_agree_on_every_signal(signal_params, hel
                         diff = u.params[0].blob.diff
 
                         def finish(total, agreed, u=u, rnd=rnd, diff=diff, host=hosts[rank]):
-                            diff[...] = total[:diff.size] / 2  # the mean, as start's finish
+                            diff[...] = total[:diff.size]  # the sum, as start's finish
                             host.done(u, rnd, agreed)
                         scheme.sum_vector(u, rnd, 0, gather(u), bits[rank], finish)
             for host in hosts:
                 host.run_until(host.applied, 3 * (rnd + 1))
         for host in hosts:
             got = {(rnd, uid): (value, agreed) for rnd, uid, value, agreed in host.applied}
-            for uid in (1, 2, 3):  # ranks 0 and 1 start with uid and uid + 1: their mean
-                assert got[(0, uid)] == ((2 * uid + 1) / 2, 0)
-                assert got[(1, uid)] == ((2 * uid + 1) / 2, 2 if uid == 1 else 0)
+            for uid in (1, 2, 3):  # ranks 0 and 1 start with uid and uid + 1: their sum
+                assert got[(0, uid)] == (2 * uid + 1, 0)
+                assert got[(1, uid)] == (2 * uid + 1, 2 if uid == 1 else 0)
         assert HUB.count[0] - ops_before == 2 * (3 + apart)  # two rounds
     finally:
         for host in hosts:

@@ -120,13 +120,13 @@ def test_bind_describes_layers_and_factors_rebuild_the_gradient(tmp_path):
         slot = by_name[name]
         u, v = (np.asarray(a).copy() for a in slot.factors())
         backward = [p.blob.diff.copy() for p in slot.params]
-        # the factors of one worker rebuild what its backward computed; of two, their mean
-        slot.rebuild(u, v, 1)
+        # the factors of one worker rebuild what its backward computed; of two, their sum
+        slot.rebuild(u, v)
         for p, d in zip(slot.params, backward):
             np.testing.assert_allclose(p.blob.diff, d, rtol=1e-5, atol=1e-6)
-        slot.rebuild(np.concatenate([u, 3 * u]), np.concatenate([v, v]), 2)
+        slot.rebuild(np.concatenate([u, 3 * u]), np.concatenate([v, v]))
         for p, d in zip(slot.params, backward):
-            np.testing.assert_allclose(p.blob.diff, 2 * d, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(p.blob.diff, 4 * d, rtol=1e-5, atol=1e-6)
     plans = plan_layers(infos, 2, comm="sfb")
     assert [p.scheme for p in plans] == ["sfb", "sfb", "ps"]
     # a layer synchronised by SFB skips its own weight-gradient GEMM: the rebuild replaces it

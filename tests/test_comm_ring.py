@@ -20,6 +20,7 @@ from engine.comm.planner import PlanOptions, make_plan
 from engine.comm.shard import ShardServer
 from engine.comm.syncer import LayerSlot, ParamSlot, Syncer, open_worker
 from engine.pb import poseidon_pb2 as pb
+from engine.solvers import normalize
 from tests.test_comm_sync import fc_rebuild
 from tests.test_comm_transport import KEY, local_hosts
 
@@ -41,7 +42,7 @@ def run(world: int, comm: str, rounds: int = 2, chunk_bytes: int = 64, fusion_by
         wire: str = "fp32", shapes: dict = SHAPES, make_grads=grads, plan: dict | None = None,
         hosts=None, factors: dict | None = None, levels: bool = True) -> dict:
     """Train ``rounds`` rounds of synthetic gradients; per rank: every layer's mean gradient
-    per round as the update saw it (absent: skipped), the byte counters, the units, the
+    per round as the update takes it from the sum (absent: skipped), the byte counters, the units, the
     codec and the agreed plan. ``plan``: more of make_plan's arguments (the sparse codec's);
     ``hosts``: a host table (default: ``world`` machines of one worker on loopback);
     ``factors``: layer -> (K, M, N) for layers whose gradient is uᵀ·v of the generator's
@@ -66,8 +67,10 @@ def run(world: int, comm: str, rounds: int = 2, chunk_bytes: int = 64, fusion_by
             seen: dict = {}
             done = {l: 0 for l in shapes}
 
-            def update(layer: int) -> None:
+            def update(layer: int) -> None:  # the mean of the sum, as the solver takes it
                 seen[(layer, done[layer])] = [b.diff.copy() for b in blobs[layer]]
+                for d in seen[(layer, done[layer])]:
+                    normalize(d, 1, world)
                 done[layer] += 1
 
             ep = open_worker(rank, hosts, key=KEY, timeout=LIVENESS_S, shards=shards)

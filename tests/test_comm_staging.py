@@ -57,7 +57,7 @@ def test_each_unit_reuses_its_page_locked_vector():
 
 @gpu
 @pytest.mark.gpu
-def test_the_mean_goes_back_on_the_copy_stream_before_the_update_that_follows():
+def test_the_sum_goes_back_on_the_copy_stream_before_the_update_that_follows():
     import cupy
     staging = Staging()
     a = cupy.full(1 << 20, 2.0, cupy.float32)
@@ -65,12 +65,12 @@ def test_the_mean_goes_back_on_the_copy_stream_before_the_update_that_follows():
     unit = unit_of(a, b)
     vec = staging.begin(unit).wait()
     total = vec * 3  # three workers' sum, as a scheme hands it over
-    assert staging.scatter(unit, total, 3, vec)
+    assert staging.scatter(unit, total, vec)
     a += 1  # the update: queued on the compute stream, which waits for the copy's event
     b *= 10
-    assert np.all(cupy.asnumpy(a) == 3.0) and np.all(cupy.asnumpy(b) == 40.0)
+    assert np.all(cupy.asnumpy(a) == 7.0) and np.all(cupy.asnumpy(b) == 120.0)
     # strided diffs, or a vector not staged here, are the caller's to scatter
     strided = unit_of(cupy.zeros((4, 3), cupy.float32).T)
-    assert not staging.scatter(strided, np.zeros(12, np.float32), 1,
+    assert not staging.scatter(strided, np.zeros(12, np.float32),
                                staging.begin(strided).wait())
-    assert not staging.scatter(unit, total, 3, vec.copy())
+    assert not staging.scatter(unit, total, vec.copy())

@@ -20,6 +20,7 @@ from engine.comm.schemes.ps import make_layout, unit_vectors
 from engine.comm.shard import ShardServer
 from engine.comm.syncer import LayerSlot, ParamSlot, Syncer, open_worker
 from engine.comm.units import Unit
+from engine.solvers import normalize
 from tests.test_comm_transport import KEY, local_hosts
 
 #: it starts processes or trains: its file starts first (tests/conftest.py)
@@ -33,14 +34,10 @@ LR = 0.1
 def fc_rebuild(blobs):
     """A fake FC layer's ``rebuild_gradient`` over its (N x M weight, N bias) ``blobs``: the
     arithmetic of engine/layers/inner_product.py's."""
-    def rebuild(u, v, world):
-        g = u.T @ v
-        g /= world
-        blobs[0].diff[...] = g
+    def rebuild(u, v):
+        blobs[0].diff[...] = u.T @ v
         if len(blobs) > 1:
-            b = u.sum(axis=0)
-            b /= world
-            blobs[1].diff[...] = b
+            blobs[1].diff[...] = u.sum(axis=0)
     return rebuild
 
 
@@ -94,8 +91,9 @@ def worker_main(rank, hosts, scheme, rounds, chunk_bytes, backward_s, out, gate=
                                       rebuild=fc_rebuild(bl) if layer == 1 else None)
         state.update(_grads(rank, 0))
 
-        def update(layer):
+        def update(layer):  # the sum's mean, as the solver takes it
             for b in blobs[layer]:
+                normalize(b.diff, 1, len(hosts))
                 b.data -= LR * b.diff
 
         ep = open_worker(rank, hosts, key=KEY, timeout=10)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.comm.units import (LayerSlot, ParamSlot, Unit, gather, in_place, place_diffs,
-                               placed_vector, scatter_mean)
+                               placed_vector, scatter_sum)
 
 
 class Blob:
@@ -32,11 +32,15 @@ def test_placed_diffs_are_gathered_in_place_and_a_held_diff_is_copied():
     assert got is vec
     np.testing.assert_array_equal(vec, [2] * 6 + [3] * 4 + [3] * 4)
 
-    vec *= 2  # the sum of two workers, then the mean back into every diff
-    scatter_mean(unit, vec, 2, vec)
-    for b, want in zip(blobs, (2, 3, 3)):
+    total = vec * 2  # the sum of two workers (a scheme's own vector), back into every diff
+    scatter_sum(unit, total)
+    for b, want in zip(blobs, (4, 6, 6)):
         np.testing.assert_array_equal(b.diff, np.full(b.diff.shape, want, np.float32))
-    assert held[0, 0] == 3  # the held view sees its diff's mean
+    assert held[0, 0] == 6  # the held view sees its diff's sum
+    vec *= 2  # summed in place: nothing moves
+    scatter_sum(unit, vec)
+    for b, want in zip(blobs, (8, 6, 12)):
+        np.testing.assert_array_equal(b.diff, np.full(b.diff.shape, want, np.float32))
 
 
 def test_a_next_generation_sums_in_the_vector_its_diffs_lie_in():
@@ -63,26 +67,3 @@ def test_a_next_generation_sums_in_the_vector_its_diffs_lie_in():
     blobs[0].diff = other[:6].reshape(3, 2)
     blobs[1].diff = other[6:]
     assert placed_vector(unit) is not other
-
-
-def test_the_mean_over_a_power_of_two_multiplies_and_keeps_every_bit():
-    """``mean_into`` multiplies by 1/P when P is a power of two (exact, and 2.3x faster than
-    a divide here): the bits equal the divide's for every float, subnormals, infinities and
-    NaN included; any other P divides."""
-    from engine.comm.units import mean_into
-    rng = np.random.default_rng(0)
-    for dtype, bits in ((np.float32, np.uint32), (np.float64, np.uint64)):
-        info = np.finfo(dtype)
-        scales = np.repeat([1e-40, 1.0, 1e30, float(info.max) / 16], 10000)
-        x = (rng.standard_normal(40000) * scales).astype(dtype)
-        x[:9] = [0.0, -0.0, np.inf, -np.inf, np.nan, info.tiny, info.smallest_subnormal,
-                 3 * info.smallest_subnormal, info.max]
-        for world in (1, 2, 4, 8, 64, 3, 6):
-            got, want = np.empty_like(x), np.empty_like(x)
-            mean_into(x, world, got)
-            np.divide(x, world, out=want)
-            assert got.dtype == dtype
-            assert np.array_equal(got.view(bits), want.view(bits)), (dtype, world)
-    # a changed division would show: 1/3 is not exact, so a multiply by it differs
-    y = np.float32([1.0, 7.0, 10.0])
-    assert not np.array_equal(y * np.float32(1 / 3), y / np.float32(3))

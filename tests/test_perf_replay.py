@@ -84,7 +84,7 @@ def test_device_work_waits_its_modelled_time_and_computes_nothing(digits_db, tmp
     u = np.ones((rows, spec.n), np.float32)
     v = np.ones((rows, spec.m), np.float32)
     t = time.perf_counter()
-    ip1.rebuild_gradient(u, v, 2)
+    ip1.rebuild_gradient(u, v)
     # 2 * rows * m * n flops at 1 GFLOP/s, x 2
     assert 4e-9 * rows * spec.m * spec.n <= time.perf_counter() - t <= 5.0
     for b, d in zip(ip1.blobs, diffs):

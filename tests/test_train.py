@@ -143,11 +143,12 @@ def test_caffe_state_without_position_resumes_at_iter_times_batch(tiny):
 
 
 class InlineSync:
-    """A sync that averages nothing (one worker) and updates on the caller's thread, or on a
-    thread of its own: the hook's contract, as the communicator uses it."""
+    """A sync that sums nothing (one worker) and updates on the caller's thread, or on a
+    thread of its own: the hook's contract, as the communicator uses it. ``copies``: the sum
+    of that many workers that computed the same gradients (the solver is told so)."""
 
-    def __init__(self, solver: Solver, threaded: bool):
-        self.solver, self.threaded = solver, threaded
+    def __init__(self, solver: Solver, threaded: bool, copies: int = 1):
+        self.solver, self.threaded, self.copies = solver, threaded, copies
         self.pending: dict[int, threading.Thread] = {}
         self.released: list[int] = []
         self.requests: list[str] = []
@@ -160,6 +161,8 @@ class InlineSync:
 
     def release(self, layer: int) -> None:
         self.released.append(layer)
+        for i in self.solver._layer_params.get(layer, ()):
+            self.solver.net.learnable_params[i].diff *= np.float32(self.copies)
         if self.threaded:
             t = threading.Thread(target=self.solver.update_layer, args=(layer,))
             t.start()
@@ -182,12 +185,15 @@ class InlineSync:
 
 @pytest.mark.parametrize("threaded", [False, True])
 @pytest.mark.parametrize("extra", [{}, {"iter_size": 2}, {"clip_gradients": 0.5}])
-def test_sync_hook_gives_the_same_weights(tiny, threaded, extra):
+@pytest.mark.parametrize("copies", [1, 4])
+def test_sync_hook_gives_the_same_weights(tiny, threaded, extra, copies):
+    """The update takes the mean of the sync's sums (a power of two: exact, so every bit is
+    the plain loop's), clipping's norm included."""
     path = write_solver(tiny, snapshot=0, snapshot_after_train=False, **extra)
     plain = train(path)
     s = Solver(path)
-    sync = InlineSync(s, threaded)
-    s.attach_sync(sync)
+    sync = InlineSync(s, threaded, copies)
+    s.attach_sync(sync, workers=copies)
     s.solve()
     s.close()
     assert sorted(set(sync.released)) == list(range(len(s.net.layers)))

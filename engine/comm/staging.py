@@ -8,7 +8,7 @@ stream of its own that waits for that event, into page-locked host memory, so th
 moves the bytes while the compute stream goes on with the layers below. The progress thread
 waits for the copy's event alone, never for the GPU's queue, before the scheme reads the vector.
 
-The mean comes back the same way (``scatter``): the host writes it into the unit's vector,
+The sum comes back the same way (``scatter``): the host writes it into the unit's vector,
 the copy stream takes it to the diffs, and the compute stream waits for that copy's event
 before the update that follows, so no thread blocks on the copy and the copy engine, not the
 compute stream, moves the bytes.
@@ -28,7 +28,7 @@ import numpy as np
 
 from engine import backend
 
-from .units import Unit, mean_into
+from .units import Unit
 
 
 @dataclass
@@ -96,8 +96,8 @@ class Staging:
         keep = tuple(f for f, d in zip(flat, diffs) if f is not d)
         return Staged(vec, started, finished, keep)
 
-    def scatter(self, unit: Unit, total: np.ndarray, world: int, vec: np.ndarray) -> bool:
-        """At the end of a staged round (any thread): ``total / world`` into ``vec``, and from
+    def scatter(self, unit: Unit, total: np.ndarray, vec: np.ndarray) -> bool:
+        """At the end of a staged round (any thread): ``total`` into ``vec``, and from
         there to the unit's diffs on the copy stream, the compute stream waiting for it.
         False where the caller must scatter (a vector not staged here, strided diffs)."""
         diffs = [p.blob.diff for p in unit.params]
@@ -105,7 +105,8 @@ class Staging:
                                                              for d in diffs):
             return False
         import cupy
-        mean_into(total, world, vec)
+        if total is not vec:
+            vec[...] = total
         device = diffs[0].device
         with device:
             stream = self._streams[device.id]

@@ -1,7 +1,7 @@
 """What the communicator synchronises: a layer's parameters (``ParamSlot``, ``LayerSlot``), the
 *unit* that travels as one operation (one layer, or a fusion bucket of layers released by
 backward one after the other), and a unit's gradients as one flat vector (``gather``, and
-``scatter_mean`` back into the diffs). Below the schemes and the codecs, which both work on
+``scatter_sum`` back into the diffs: the solver's update takes the mean, in its own pass). Below the schemes and the codecs, which both work on
 units.
 """
 from __future__ import annotations
@@ -37,8 +37,8 @@ class LayerSlot:
     factor_shape: tuple[int, int, int] | None = None
     #: tells the layer that its weight gradient is rebuilt from the factors (skip the GEMM)
     defer_weight_gradient: Callable[[bool], None] | None = None
-    #: (u, v, world): sets the layer's mean gradients from every worker's factors
-    rebuild: Callable[[Any, Any, int], None] | None = None
+    #: (u, v): sets the layer's gradients to the sum of every worker's from their factors
+    rebuild: Callable[[Any, Any], None] | None = None
 
     @property
     def count(self) -> int:
@@ -171,30 +171,16 @@ def lies_at(diff: Any, part: np.ndarray) -> bool:
         diff.__array_interface__["data"][0] == part.__array_interface__["data"][0]
 
 
-def mean_into(total: np.ndarray, world: int, out: np.ndarray) -> None:
-    """``out = total / world``. For a power of two as a multiply by its inverse, which is
-    exact, so the same bits: a divide costs this CPU 2.3x a multiply over 1 MB (43 us
-    against 19; the same over 64 MB, where memory is the bound)."""
-    if world & (world - 1):
-        np.divide(total, world, out=out)
-    else:
-        np.multiply(total, 1.0 / world, out=out)
-
-
-def scatter_mean(unit: Unit, total: np.ndarray, world: int, vec: np.ndarray) -> None:
-    """``total / world`` into the unit's diffs: straight into a contiguous NumPy diff (one pass),
-    else through ``vec`` (the unit's gathered vector, free once the sum is complete)."""
+def scatter_sum(unit: Unit, total: np.ndarray) -> None:
+    """The summed vector ``total`` into the unit's diffs: nothing to do where a diff is that
+    part of it (summed in place), else a copy (to the diff's device, where it has one)."""
     offset = 0
     for p in unit.params:
         diff = p.blob.diff
         n = int(diff.size)
         part = total[offset:offset + n]
-        if isinstance(diff, np.ndarray) and diff.flags.c_contiguous:
-            mean_into(part, world, diff.reshape(-1))
-        else:
-            staged = vec[offset:offset + n]
-            mean_into(part, world, staged)
-            diff[...] = backend.get_array_module(diff).asarray(staged.reshape(diff.shape),
+        if not lies_at(diff, part):
+            diff[...] = backend.get_array_module(diff).asarray(part.reshape(diff.shape),
                                                                dtype=diff.dtype)
         offset += n
 

@@ -1,11 +1,12 @@
-"""Compiled CPU forms of im2col, col2im, LRN, ReLU and SGD's momentum step, when Numba is
+"""Compiled CPU forms of im2col, col2im, LRN, ReLU and SGD's update step, when Numba is
 there (MAX pooling's: engine/kernels/cpu_pool.py; Winograd's: engine/layers/winograd.py).
 
 NumPy pays per inner loop, and the window kernels' inner loops are a window row (LeNet's
 conv2: 8 elements), so its forms in ``im2col`` run at a few GB/s; Caffe's plain C loops run
 several times faster, and they decide whether Poseidon keeps up with Caffe on the small nets.
-SGD's momentum step is four NumPy passes and a temporary over a layer's history and gradient;
-here it is one (an fc layer's step: 0.38 ms against 0.74).
+SGD's update (the workers' mean, Caffe's Normalize, L2 Regularize and the momentum step) is up
+to nine NumPy passes and two temporaries over a layer's history, gradient and weights; here it
+is one (an fc layer's momentum step alone: 0.38 ms against 0.74).
 LRN in NumPy is some twenty passes over blobs that do not fit in cache (AlexNet's norm1:
 37 MB); here it is one pass per image. These are Caffe's loops, compiled by Numba, in the
 NumPy forms' operation order (equal to the bit: the tests check it); the NumPy forms stay
@@ -352,23 +353,43 @@ def col2im(col: np.ndarray, g: Any, out: np.ndarray) -> np.ndarray:
 
 
 @jit
-def _momentum_step(h, d, momentum, rate):  # pragma: no cover - compiled
+def _sgd_step(h, d, x, divisor, inverse, scale, decay, momentum, rate, divide, mean, normal,
+              regular):  # pragma: no cover - compiled
     for i in range(np.uint64(h.size)):
-        v = momentum * h[i] + rate * d[i]
+        g = d[i]
+        if divide:
+            g = g / divisor
+        elif mean:
+            g = g * inverse
+        if normal:
+            g = g * scale
+        if regular:
+            g = g + decay * x[i]
+        v = momentum * h[i] + rate * g
         h[i] = v
         d[i] = v
 
 
-def momentum_step(history: Any, diff: Any, momentum: np.floating, rate: np.floating) -> bool:
-    """SGD's ``history = momentum * history + rate * diff; diff = history`` in one pass, in
-    NumPy's order of operations (momentum and rate in the arrays' dtype, so equal to the bit);
-    False, doing nothing, when the arrays are not contiguous NumPy arrays of one dtype."""
-    if not (available() and isinstance(history, np.ndarray) and isinstance(diff, np.ndarray)
-            and history.dtype == diff.dtype and history.shape == diff.shape
-            and history.flags.c_contiguous and diff.flags.c_contiguous):
+def sgd_step(history: Any, diff: Any, data: Any, workers: int, iter_size: int,
+             decay: np.floating, momentum: np.floating, rate: np.floating) -> bool:
+    """SGD's whole update of one parameter in one pass: the mean of ``workers`` workers'
+    summed gradients, Caffe's Normalize (``iter_size``), L2 Regularize (``decay``, 0: none),
+    then ``history = momentum * history + rate * diff; diff = history``, each in NumPy's
+    order of operations and in the arrays' dtype (solvers.normalize and regularize's), so
+    equal to the bit. False, doing nothing, when the arrays are not contiguous NumPy arrays
+    of one dtype and shape."""
+    if not (available() and all(isinstance(a, np.ndarray) and a.flags.c_contiguous
+                                for a in (history, diff, data))
+            and history.dtype == diff.dtype == data.dtype
+            and history.shape == diff.shape == data.shape):
         return False
-    kind = history.dtype.type
-    _momentum_step(history.reshape(-1), diff.reshape(-1), kind(momentum), kind(rate))
+    kind, f32 = history.dtype.type, np.float32
+    divide = bool(workers & (workers - 1))
+    # the scales as the NumPy forms have them, float32 whatever the arrays' dtype
+    _sgd_step(history.reshape(-1), diff.reshape(-1), data.reshape(-1), kind(workers),
+              kind(f32(1) / f32(workers)), kind(f32(1) / f32(max(iter_size, 1))), kind(decay),
+              kind(momentum), kind(rate), divide, workers > 1 and not divide, iter_size > 1,
+              bool(decay))
     return True
 
 
@@ -431,6 +452,7 @@ def warm(dtype: Any) -> None:
     col2im(im2col(x, g), g, np.empty_like(x))
     top, scale, factor = lrn_forward(x, 1, 1.0, 0.75, 1.0)
     lrn_backward(x, top, top, scale, factor, 1, 1.0, np.empty_like(x))
-    momentum_step(np.zeros(1, dtype), np.zeros(1, dtype), np.float32(0.9), np.float32(0.1))
+    sgd_step(np.zeros(1, dtype), np.zeros(1, dtype), np.zeros(1, dtype), 1, 1, np.float32(0),
+             np.float32(0.9), np.float32(0.1))
     relu(x, x)
     relu_gradient(x, np.zeros_like(x), np.zeros_like(x))

@@ -98,18 +98,17 @@ class InnerProductLayer(Layer, SufficientFactors):
         self._factors = (top[0].diff.reshape(self.rows, self.num_output),
                          bottom[0].data.reshape(self.rows, self.inputs))
 
-    def rebuild_gradient(self, u: Any, v: Any, world: int) -> None:
-        """dW = the mean of every worker's uᵀ·v (vᵀ·u transposed), db = the mean of u's row
+    def rebuild_gradient(self, u: Any, v: Any) -> None:
+        """dW = the sum of every worker's uᵀ·v (vᵀ·u transposed), db = the sum of u's row
         sums: one product over all rows, in the order given, on the parameters' device."""
         xp = backend.get_array_module(self.blobs[0].diff)
         u, v = xp.asarray(u), xp.asarray(v)
-        g = v.T @ u if self.transpose else u.T @ v
-        g /= world
-        self.blobs[0].diff[...] = g
+        if self.transpose:
+            xp.matmul(v.T, u, out=self.blobs[0].diff)
+        else:
+            xp.matmul(u.T, v, out=self.blobs[0].diff)
         if self.bias_term:
-            b = u.sum(axis=0)
-            b /= world
-            self.blobs[1].diff[...] = b
+            u.sum(axis=0, out=self.blobs[1].diff)
 
     def factor_spec(self) -> FactorSpec:
         """The shapes and orientation of the sufficient factors (after reshape)."""

@@ -125,7 +125,7 @@ class ReplayFactorLayer(ReplayLayer, SufficientFactors):
     def remember_factors(self, top: Any, bottom: Any) -> None:
         self._layer.remember_factors(top, bottom)
 
-    def rebuild_gradient(self, u: Any, v: Any, world: int) -> None:
+    def rebuild_gradient(self, u: Any, v: Any) -> None:
         spec = self._layer.factor_spec()
         self._device.gemm(2.0 * u.shape[0] * spec.m * spec.n)
 
@@ -135,7 +135,7 @@ class ReplaySolver(Solver):
 
     device: ReplayDevice
 
-    def _update_param(self, i: int) -> None:
+    def _update_param(self, i: int, workers: int) -> None:
         blob = self.net.learnable_params[i]
         self.device.update(blob.count * blob.diff.dtype.itemsize)
 

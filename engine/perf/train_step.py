@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from engine.comm.staging import Staged, Staging
-from engine.comm.units import LayerSlot, ParamSlot, Unit, gather, scatter_mean
+from engine.comm.units import LayerSlot, ParamSlot, Unit, gather, scatter_sum
 from engine.solver import Solver
 
 from .timing import sync_device
@@ -47,8 +47,8 @@ class StagedRelease:
         staged = self._pending.pop(layer_index)
         unit = self._units[layer_index]
         vec = staged.wait() if staged is not None else gather(unit)
-        if staged is None or not self._staging.scatter(unit, vec, 1, vec):
-            scatter_mean(unit, vec, 1, vec)
+        if staged is None or not self._staging.scatter(unit, vec, vec):
+            scatter_sum(unit, vec)
         self._solver.update_layer(layer_index)
 
     def wait_all(self) -> None:

@@ -194,7 +194,7 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
                       priority=config.priority, on_round_done=report, engines=allowed,
                       required_engines=required, on_gpu=gpu is not None)
         attached = wrap_sync(ep, sync) if wrap_sync is not None else sync
-        solver.attach_sync(attached, momentum_by_sync=sync.momentum_layers)
+        solver.attach_sync(attached, momentum_by_sync=sync.momentum_layers, workers=sync.world)
         try:
             yield
         except CommError:

@@ -1,8 +1,8 @@
 """What every synchronisation scheme is: the host it runs in and its interface.
 
 A scheme synchronises *units* (engine/comm/units.py). The syncer (engine/comm/syncer.py)
-schedules units; a scheme moves one unit's round and turns the local gradients into the global
-mean:
+schedules units; a scheme moves one unit's round and turns the local gradients into their sum
+over every worker (the solver's update divides, in the pass it makes anyway):
 
 - ``capture`` runs on the training thread at release (copy what the next forward overwrites);
   a scheme that completed the round there (a blocking engine's small sum) says so with
@@ -10,7 +10,7 @@ mean:
 - ``start`` runs on the progress thread once the local gradients are final;
 - ``check`` validates a received message on the receive thread, before any byte is used;
 - ``receive`` takes a checked message on the progress thread;
-- when the mean gradient is in the unit's diffs the scheme calls ``host.done``.
+- when the summed gradient is in the unit's diffs the scheme calls ``host.done``.
 
 Every scheme runs event-driven on the progress thread: nothing blocks waiting for one unit, so
 units may complete in any order (priority) without deadlock, and a slow peer holds up only the
@@ -28,7 +28,7 @@ from engine.pb import poseidon_pb2 as pb
 
 from ..cost import Device, LayerTiming
 from ..staging import Staged, Staging
-from ..units import LayerSlot, Unit, gather, is_view, placed_vector, scatter_mean, split
+from ..units import LayerSlot, Unit, gather, is_view, placed_vector, scatter_sum, split
 
 if TYPE_CHECKING:
     from ..codecs import Codec
@@ -57,14 +57,14 @@ class Host(Protocol):
         """Run ``fn`` on the progress thread (from any thread)."""
 
     def done(self, unit: Unit, rnd: int, bits: int) -> None:
-        """The mean gradient of ``unit``'s round ``rnd`` is in its diffs: apply the update."""
+        """The summed gradient of ``unit``'s round ``rnd`` is in its diffs: apply the update."""
 
     def raise_if_failed(self) -> None:
         """On the training thread: raise the job's error, once it has one (CommError)."""
 
 
 class Finished:
-    """``capture``'s answer for a round it completed on the training thread: the mean is in
+    """``capture``'s answer for a round it completed on the training thread: the sum is in
     the unit's diffs, and ``bits`` are the signals every worker raised in it."""
     __slots__ = ("bits",)
 
@@ -73,7 +73,7 @@ class Finished:
 
 
 class Scheme(ABC):
-    """One way of turning every worker's local gradients of a unit into their mean."""
+    """One way of turning every worker's local gradients of a unit into their sum."""
 
     #: the name on the wire, in plans and on the command line
     name: ClassVar[str]
@@ -176,7 +176,7 @@ class Scheme(ABC):
 
 class DenseScheme(Scheme):
     """A scheme that sums dense vectors: the unit's gradients are gathered into one vector,
-    the codec decides what is summed (``sum_vector``, the scheme's own), and the mean is
+    the codec decides what is summed (``sum_vector``, the scheme's own), and the sum is
     scattered back into the diffs."""
 
     dense = True
@@ -219,18 +219,16 @@ class DenseScheme(Scheme):
             vec = captured.wait()
         else:
             vec = self._host_vector(unit)
-        world = self.host.world  # the mean over every worker, whatever the levels
         spans, began = self.spans, time.perf_counter()
 
         def finish(total: np.ndarray, bits: int) -> None:
             if spans is not None:
                 spans.append(time.perf_counter() - began)
-            # the mean (P workers with batch B compute one worker's P·B) into the diffs (a
-            # scheme's sends of ``vec``, maybe a diff, are all received once the sum is
-            # complete, while ``total`` may still be on its way to a peer: zero-copy); a
-            # staged one goes back on the copy stream
-            if captured is None or not self._staging.scatter(unit, total, world, vec):
-                scatter_mean(unit, total, world, vec)
+            # the sum into the diffs (a scheme's sends of ``vec``, maybe a diff, are all
+            # received once the sum is complete, while ``total`` may still be on its way to a
+            # peer: zero-copy); a staged one goes back on the copy stream
+            if captured is None or not self._staging.scatter(unit, total, vec):
+                scatter_sum(unit, total)
             self.host.done(unit, rnd, bits)
 
         self.host.codec.reduce(unit, rnd, vec, bits, self.sum_vector, finish)

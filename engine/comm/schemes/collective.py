@@ -11,7 +11,7 @@ its ops in the one order every worker shares; this module makes a scheme of it:
   training thread; a GPU's are staged to the host (or, NCCL's, gathered on the device) and
   issued from the progress thread once ready (``sum_vector``).
 - **Completion.** Each completion is posted into the syncer's progress loop
-  (``Host.call_soon``), where the mean goes into the diffs and the update is applied exactly
+  (``Host.call_soon``), where the sum goes into the diffs and the update is applied exactly
   as every other scheme's.
 - **Signals.** The other schemes OR each worker's request bits (snapshot, stop, leave) into
   their messages. An engine sums numbers, so the unit released last in a backward (the
@@ -38,7 +38,7 @@ from ..cost import Device, LayerTiming
 from ..engines import Backend, Collective, EngineError, ring_time
 from ..errors import CommError
 from ..transport import WORKER, Message, PeerId
-from ..units import Unit, in_place, is_view, lies_at, scatter_mean
+from ..units import Unit, in_place, is_view, lies_at, scatter_sum
 from .base import DenseScheme, Finished
 
 #: the request bits a signal unit carries, one value each behind its gradients
@@ -190,21 +190,21 @@ class CollectiveScheme(DenseScheme):
         if last:
             issued.wait(self.collective, f"{unit.name} round {rnd}")
         if issued.complete():  # summed on this thread: the syncer applies it here too
-            return Finished(self._mean(unit, issued))
+            return Finished(self._summed(unit, issued))
         return issued
 
     def start(self, unit: Unit, rnd: int, bits: int, captured: Any) -> None:
         if not isinstance(captured, _Issued):  # staged from a GPU: issued from here
             super().start(unit, rnd, bits, captured)
             return
-        captured.attach(lambda: self.host.done(unit, rnd, self._mean(unit, captured)))
+        captured.attach(lambda: self.host.done(unit, rnd, self._summed(unit, captured)))
 
-    def _mean(self, unit: Unit, issued: _Issued) -> int:
-        """The summed round's mean into the unit's diffs; the signal bits every worker raised."""
+    def _summed(self, unit: Unit, issued: _Issued) -> int:
+        """The summed round into the unit's diffs; the signal bits every worker raised."""
         if self.spans is not None:
             self.spans.append(time.perf_counter() - issued.began)
         agreed = self._agreed(unit, issued.vec, issued.flags)
-        scatter_mean(unit, issued.vec, self.host.world, issued.vec)
+        scatter_sum(unit, issued.vec)
         return agreed
 
     def sum_vector(self, unit: Unit, rnd: int, phase: int, vec: Any, bits: int,

@@ -5,8 +5,8 @@ makes a communicator of its own per job (and per elastic generation). A unit's g
 leave the device: at release the training thread marks the compute stream with an event; the
 progress thread gathers the unit's diffs into a device vector on the engine's own stream after
 that event, the engine thread issues the allreduce on that stream, the wait thread waits for
-the stream's event alone (never for the compute queue), and the mean goes back into the diffs
-on the device. The algorithm is pinned (NCCL_ALGO=Ring, NCCL_PROTO=Simple unless set) so that
+the stream's event alone (never for the compute queue), and the sum goes back into the diffs
+on the device (the update takes the mean). The algorithm is pinned (NCCL_ALGO=Ring, NCCL_PROTO=Simple unless set) so that
 a rerun sums in the same order. Every engine thread works on the worker's GPU.
 
 NCCL refuses two ranks on one GPU, so one machine with one GPU tests only one rank's plumbing;
@@ -136,13 +136,11 @@ class Nccl(CollectiveScheme):
                 n = int(p.blob.diff.size)
                 vec[offset:offset + n] = p.blob.diff.reshape(-1)
                 offset += n
-        world = self.host.world
-
         def finish(total: Any, agreed: int) -> None:
             offset = 0
             for p in unit.params:
                 n = int(p.blob.diff.size)
-                p.blob.diff[...] = (total[offset:offset + n] / world).reshape(p.blob.diff.shape)
+                p.blob.diff[...] = total[offset:offset + n].reshape(p.blob.diff.shape)
                 offset += n
             self.host.done(unit, rnd, agreed)
 

@@ -220,14 +220,13 @@ class SFB(Scheme):
         del self._got[key]
         self._started.discard(key)
         bits = self._bits.pop(key)
-        world = self.host.world
         tl = timeline.current
         start = tl.now()
         # One order on every worker: the very same matrices, so results are bit-identical.
         u = np.concatenate([b[0] for b in blocks]) if len(blocks) > 1 else blocks[0][0]
         v = np.concatenate([b[1] for b in blocks]) if len(blocks) > 1 else blocks[0][1]
         [slot] = unit.layers
-        slot.rebuild(u, v, world)  # type: ignore[misc]
+        slot.rebuild(u, v)  # type: ignore[misc]
         if tl.active:
             tl.complete(f"rebuild {unit.name}", "rebuild", start, {"round": rnd})
         self.host.done(unit, rnd, bits)

@@ -8,7 +8,7 @@ worker's vector and one for the sum. A round:
 1. worker r copies its vector into slot r and tells the unit's summers (WRITTEN);
 2. once every slot is written, summer j adds part j of all slots, in rank order, into part j of
    the sum and tells every worker (SUMMED);
-3. once every part is summed, each worker reads the sum (the mean is taken by the caller).
+3. once every part is summed, each worker reads the sum (the solver's update takes the mean).
 
 A large unit is cut into P parts, one per worker (a reduce-scatter and an all-gather through
 memory: a worker writes its vector, reads 1/P of every slot, writes 1/P of the sum and reads the
@@ -204,7 +204,7 @@ class Shm(DenseScheme):
 
     # ---------------------------------------------------------------------------- rounds
     def start(self, unit: Unit, rnd: int, bits: int, captured: Any) -> None:
-        # the gathered gradients go straight into this worker's slot (then the mean too), when
+        # the gathered gradients go straight into this worker's slot (then the sum too), when
         # the codec sums the gradients as they are
         if self.host.codec.sums_as_given and unit.id not in self._buffers:
             key = min(k for k in self._regions if k[0] == unit.id)
