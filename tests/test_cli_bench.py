@@ -193,12 +193,32 @@ def test_bench_time_times_a_given_caffe_on_the_same_net(monkeypatch, tmp_path):
     assert "Haswell kernel, 1 threads" in report["blas"]["caffe"]
 
 
+def test_bench_train_starts_a_run_once_the_last_ones_memory_is_freed(monkeypatch):
+    """At least SETTLE_S, then until MemFree holds still for a second (two half-second
+    samples), at most SETTLE_MAX_S; without /proc/meminfo, SETTLE_S alone."""
+    from poseidon_cli.benches import train as bench_train
+    clock = [0.0]
+    monkeypatch.setattr(bench_train.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr(bench_train.time, "monotonic", lambda: clock[0])
+    mb = 1 << 20
+    freeing = iter([100 * mb, 108 * mb, 116 * mb, 117 * mb, 118 * mb, 118 * mb, 118 * mb])
+    monkeypatch.setattr(bench_train, "_mem_free", lambda: next(freeing))
+    assert bench_train.settle() == bench_train.SETTLE_S + 2.0  # rising, rising, still, still
+    clock[0] = 0.0
+    rising = iter(range(0, 10 ** 12, 8 * mb))
+    monkeypatch.setattr(bench_train, "_mem_free", lambda: next(rising))
+    assert bench_train.settle() == pytest.approx(bench_train.SETTLE_MAX_S, abs=0.5)
+    clock[0] = 0.0
+    monkeypatch.setattr(bench_train, "_mem_free", lambda: None)
+    assert bench_train.settle() == bench_train.SETTLE_S
+
+
 def test_bench_train_poseidon_side(monkeypatch, tmp_path):
     from poseidon_cli.benches import time as bench_time
     from poseidon_cli.benches import train as bench_train
     from poseidon_cli.main import cli
     monkeypatch.setattr(bench_time, "torch_available", lambda: False)
-    monkeypatch.setattr(bench_train, "SETTLE_S", 0.0)  # a quiet start is the benchmark's
+    monkeypatch.setattr(bench_train, "settle", lambda: 0.0)  # a quiet start is the benchmark's
     out = tmp_path / "train.json"
     r = CliRunner().invoke(cli, ["bench", "train", "--workers", "1,2", "--scheme", "hybrid,ring",
                                  "--net", "conv", "--repeats", "1", "--iters", "12",

@@ -1,8 +1,8 @@
 """What the communicator synchronises: a layer's parameters (``ParamSlot``, ``LayerSlot``), the
 *unit* that travels as one operation (one layer, or a fusion bucket of layers released by
 backward one after the other), and a unit's gradients as one flat vector (``gather``, and
-``scatter_sum`` back into the diffs: the solver's update takes the mean, in its own pass). Below the schemes and the codecs, which both work on
-units.
+``scatter_sum`` back into the diffs: the solver's update takes the mean, in its own pass).
+Below the schemes and the codecs, which both work on units.
 """
 from __future__ import annotations
 

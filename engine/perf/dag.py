@@ -24,8 +24,8 @@ An event simulation of one worker's iterations, with the resources the real comm
   * two levels: the network round starts after the machine's reduce-scatter, and a
     machine's k owners talk to the same other machines (their flows share a path fairly);
 - one progress thread rebuilds SFB gradients (one GEMM of P·K·M·N multiply-adds), adds ring
-  segments, writes the mean gradient and runs the solver update of the layer; then that
-  layer's next forward may start.
+  segments, writes the summed gradient and runs the solver update of the layer (the mean in
+  it); then that layer's next forward may start.
 
 One worker (P = 1) runs Caffe's plain loop: forward, backward, then every update. The
 iteration time is the steady-state period (the last of several simulated iterations), so the

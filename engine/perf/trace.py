@@ -17,7 +17,7 @@ the net when given, and its source is recorded as such.
 A trace of a distributed run may also carry what was measured of its communication, so that
 the DAG recurrence can be checked without the link model: ``workers`` (how many there were),
 per layer with parameters ``comm_ms`` (how long its communication held the network, from
-its start to its mean gradient being there, as Horovod's timeline records an allreduce; a
+its start to its summed gradient being there, as Horovod's timeline records an allreduce; a
 fused group's time on the first layer released, 0 on the others) and optionally
 ``iteration_ms``, the measured steady-state iteration, to compare with.
 """

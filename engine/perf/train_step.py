@@ -3,7 +3,7 @@
 `poseidon bench time` sets this beside PyTorch's training step (loss.backward and an SGD
 step). A distributed worker's step does more than forward and backward: at release each
 layer's gradients leave the GPU on the staging stream (engine/comm/staging.py), come back
-the same way as the round's mean, and the layer is updated before its next forward.
+the same way as the round's sum, and the layer is updated before its next forward.
 ``StagedRelease`` is a GradientSync doing exactly that with a world of one: the copies out
 and back, the solver's update, and the waits, as a dense scheme makes them, without a peer.
 """

@@ -27,12 +27,15 @@ from typing import Any, Callable
 from poseidon_cli.launch.hostfile import free_base_port
 
 ROOT = Path(__file__).resolve().parents[2]
-#: seconds between one run's end and the next one's start: the kernel frees a run's memory
-#: and namespaces for seconds after its processes exit (MemFree still rose by 16 MB/s 5 s
-#: after a run), and MPI's ranks, which busy-poll, ran at 0.60-0.80 of DDP right after a
-#: Gloo run, 0.92-0.98 two seconds later and 0.99-1.02 five seconds later (FC-heavy net,
-#: 1 Gbit/s, runs of three); every run, DDP's too, waits the same
+#: between one run's end and the next one's start: at least SETTLE_S, then until MemFree holds
+#: still (moves less than SETTLE_QUIET_BYTES_PER_S over a second), at most SETTLE_MAX_S. The
+#: kernel frees a run's memory and namespaces for seconds after its processes exit (MemFree
+#: still rose by 16 MB/s 5 s after a run), and the next run pays: MPI's ranks, which
+#: busy-poll, ran at 0.60-0.80 of DDP 0-3 s after a Gloo or SFB run and 0.98 once MemFree
+#: held still, 8-19 s after an SFB run (FC-heavy net, 1 Gbit/s); every run, DDP's too, waits
 SETTLE_S = 3.0
+SETTLE_MAX_S = 30.0
+SETTLE_QUIET_BYTES_PER_S = 4 << 20
 BATCH = 32
 HIDDEN = 1024
 
@@ -307,6 +310,32 @@ def run_ddp(db: Path, workers: int, iters: int, net: str = "fc",
             "images_per_s": ips * BATCH * workers}
 
 
+def _mem_free() -> int | None:
+    """MemFree in bytes (None where there is no /proc/meminfo)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemFree:"):
+                    return int(line.split()[1]) << 10
+    except OSError:
+        pass
+    return None
+
+
+def settle() -> float:
+    """Wait for the last run's memory to be freed (``SETTLE_S``); the seconds waited."""
+    began = time.monotonic()
+    time.sleep(SETTLE_S)
+    last, quiet = _mem_free(), 0
+    while last is not None and quiet < 2 and time.monotonic() - began < SETTLE_MAX_S:
+        time.sleep(0.5)
+        now = _mem_free()
+        quiet = quiet + 1 if now is not None and abs(now - last) < \
+            SETTLE_QUIET_BYTES_PER_S / 2 else 0
+        last = now
+    return time.monotonic() - began
+
+
 def run(workers: list[int], comms: list[str], iters: int, work: Path, with_ddp: bool,
         say: Callable[[str], None] = print, nets: tuple[str, ...] = ("fc",),
         repeats: int = 1, bits_per_s: float | None = None,
@@ -326,13 +355,15 @@ def run(workers: list[int], comms: list[str], iters: int, work: Path, with_ddp: 
             runs: dict[str, list[dict[str, Any]]] = {}
             for k in range(repeats):  # alternate: DDP, then each scheme, then again
                 if with_ddp:
-                    time.sleep(SETTLE_S)
+                    settled = settle()
                     runs.setdefault("ddp", []).append(run_ddp(db, n, iters, net, bits_per_s))
+                    runs["ddp"][-1]["settled_s"] = settled
                 for comm in (comms if n > 1 else ["-"]):
-                    time.sleep(SETTLE_S)
+                    settled = settle()
                     runs.setdefault(comm, []).append(
                         run_poseidon(work / f"r{k}", db, n, comm, iters, net, bits_per_s,
                                      common))
+                    runs[comm][-1]["settled_s"] = settled
             ddp = _median_run(runs["ddp"]) if with_ddp else None
             if ddp:
                 results["ddp"].append(ddp)
@@ -361,4 +392,5 @@ def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     ordered = sorted(runs, key=lambda r: r["images_per_s"])
     out = dict(ordered[len(ordered) // 2])
     out["images_per_s_runs"] = [r["images_per_s"] for r in runs]
+    out["settled_s_runs"] = [r.get("settled_s") for r in runs]
     return out
