@@ -7,8 +7,8 @@ numbers and the log (Caffe's tools parse the log). Two things go beyond Caffe:
   parameters that layer ``l`` owns. With a sync attached (``attach_sync``), the last backward
   pass of an iteration hands each finished layer to ``sync.release(l)``, which sums the
   gradients over the workers and calls ``update_layer(l)`` back (the update takes their mean,
-  in the pass it makes anyway); the next forward calls
-  ``sync.wait(l)`` before layer ``l`` runs (wait-free backpropagation, DESIGN.md). A sync may
+  in the pass it makes anyway); the next forward calls ``sync.wait(l)`` before layer ``l``
+  runs (wait-free backpropagation, DESIGN.md). A sync may
   take SGD's momentum over for some layers (sparse communication's momentum correction): their
   gradients are then regularized before release and updated without the solver's history.
 - **Exact resume.** The solverstate records the train data layers' stream positions

@@ -42,8 +42,8 @@ def run(world: int, comm: str, rounds: int = 2, chunk_bytes: int = 64, fusion_by
         wire: str = "fp32", shapes: dict = SHAPES, make_grads=grads, plan: dict | None = None,
         hosts=None, factors: dict | None = None, levels: bool = True) -> dict:
     """Train ``rounds`` rounds of synthetic gradients; per rank: every layer's mean gradient
-    per round as the update takes it from the sum (absent: skipped), the byte counters, the units, the
-    codec and the agreed plan. ``plan``: more of make_plan's arguments (the sparse codec's);
+    per round as the update takes it from the sum (absent: skipped), the byte counters, the
+    units, the codec and the agreed plan. ``plan``: more of make_plan's arguments (the sparse codec's);
     ``hosts``: a host table (default: ``world`` machines of one worker on loopback);
     ``factors``: layer -> (K, M, N) for layers whose gradient is uᵀ·v of the generator's
     factors (SFB)."""

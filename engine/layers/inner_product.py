@@ -103,12 +103,9 @@ class InnerProductLayer(Layer, SufficientFactors):
         sums: one product over all rows, in the order given, on the parameters' device."""
         xp = backend.get_array_module(self.blobs[0].diff)
         u, v = xp.asarray(u), xp.asarray(v)
-        if self.transpose:
-            xp.matmul(v.T, u, out=self.blobs[0].diff)
-        else:
-            xp.matmul(u.T, v, out=self.blobs[0].diff)
+        self.blobs[0].diff[...] = v.T @ u if self.transpose else u.T @ v
         if self.bias_term:
-            u.sum(axis=0, out=self.blobs[1].diff)
+            self.blobs[1].diff[...] = u.sum(axis=0)
 
     def factor_spec(self) -> FactorSpec:
         """The shapes and orientation of the sufficient factors (after reshape)."""

@@ -5,15 +5,16 @@ P processes on loopback (started by mpiexec when mpi4py and mpiexec are there, s
 measured too; else as plain processes). For each size, every process builds one Syncer per
 scheme (ring, hd, and the engines gloo and mpi: the real path, from the release of a layer of
 that size to its sum in the diffs, through the progress thread and, for an engine, its engine
-and wait threads; the mean is the solver update's, folded into the pass it makes anyway), and, beside them, the engines called bare: torch.distributed's all_reduce on a
-Gloo process group and mpi4py's Allreduce on MPI_COMM_WORLD, as a user's script would. Each
-repeat runs every peer once, in turn, each after a barrier; a repeat's time is the slowest
-rank's (a collective ends when its slowest rank does), and the row gives the median over the
-repeats. A scheme is timed twice over: from the release of its layer to the sum in its diffs
-(what training waits for before the update: the hand-offs to the progress thread and back, the
-gathered vector), and its sum alone ("<scheme>: sum": from the gathered vector to the summed one, which
-for an engine is its engine thread, the engine and the completion posted back). Every process
-runs with one BLAS thread.
+and wait threads; the mean is the solver update's, folded into the pass it makes anyway),
+and, beside them, the engines called bare: torch.distributed's all_reduce on a Gloo process
+group and mpi4py's Allreduce on MPI_COMM_WORLD, as a user's script would. Each repeat runs
+every peer once, in turn, each after a barrier; a repeat's time is the slowest rank's (a
+collective ends when its slowest rank does), and the row gives the median over the repeats. A
+scheme is timed twice over: from the release of its layer to the sum in its diffs (what
+training waits for before the update: the hand-offs to the progress thread and back, the
+gathered vector), and its sum alone ("<scheme>: sum": from the gathered vector to the summed
+one, which for an engine is its engine thread, the engine and the completion posted back).
+Every process runs with one BLAS thread.
 """
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ progress thread gathers the unit's diffs into a device vector on the engine's ow
 that event, the engine thread issues the allreduce on that stream, the wait thread waits for
 the stream's event alone (never for the compute queue), and the sum goes back into the diffs
 on the device (the update takes the mean). The algorithm is pinned (NCCL_ALGO=Ring,
-NCCL_PROTO=Simple unless set) so that a rerun sums in the same order. Every engine thread works on the worker's GPU.
+NCCL_PROTO=Simple unless set) so that a rerun sums in the same order. Every engine thread
+works on the worker's GPU.
 
 NCCL refuses two ranks on one GPU, so one machine with one GPU tests only one rank's plumbing;
 the multi-rank logic of the engine layer is the same as Gloo's and MPI's (collective.py).
