@@ -5,11 +5,10 @@ complete; it returns at once, so the backward of the layers below goes on while 
 travel. When every layer of a unit (one layer, or a fusion bucket) is released, the unit's
 scheme takes it on the *progress thread*, which also takes every checked message; schemes run
 event-driven there and call ``done`` when a unit's summed gradient is in its diffs, which
-applies the solver's ``update_layer`` (the mean is the update's: ``attach_sync(workers=P)``).
-A *sender thread* moves the schemes' messages, lowest layer first when several wait (the next
-forward needs the bottom layer first); a small message with none waiting goes out straight
-from the progress thread. ``wait(layer)`` blocks the next forward of a layer until its update
-is applied (BSP, per layer).
+applies the solver's ``update_layer`` (the mean is the update's). A *sender thread* moves the
+schemes' messages, lowest layer first when several wait (the next forward needs the bottom
+layer first); a small message with none waiting goes out from the progress thread itself.
+``wait(layer)`` blocks a layer's next forward until its update is applied (BSP, per layer).
 
 At start-up every worker and shard meet (engine/comm/handshake.py): the same net and settings,
 rank 0's plan for everyone, the PS chunk table for the shards, READY.
