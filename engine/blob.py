@@ -24,14 +24,20 @@ class BlobTooLarge(ValueError):
     """A blob (or a net) needs more memory than the machine has."""
 
 
+def meminfo_bytes(*names: str) -> int | None:
+    """The sum of /proc/meminfo's fields ``names``, in bytes (Linux); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f.read().splitlines())
+        return sum(int(fields[k].split()[0]) * 1024 for k in names)
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 @functools.lru_cache(maxsize=1)
 def available_bytes() -> int | None:
     """MemAvailable + SwapFree (Linux), read once per process; None where unknown."""
-    try:
-        fields = dict(line.split(":", 1) for line in open("/proc/meminfo").read().splitlines())
-        return sum(int(fields[k].split()[0]) * 1024 for k in ("MemAvailable", "SwapFree"))
-    except (OSError, KeyError, ValueError):
-        return None
+    return meminfo_bytes("MemAvailable", "SwapFree")
 
 
 def fmt_bytes(n: int) -> str:

@@ -312,14 +312,8 @@ def run_ddp(db: Path, workers: int, iters: int, net: str = "fc",
 
 def _mem_free() -> int | None:
     """MemFree in bytes (None where there is no /proc/meminfo)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemFree:"):
-                    return int(line.split()[1]) << 10
-    except OSError:
-        pass
-    return None
+    from engine.blob import meminfo_bytes
+    return meminfo_bytes("MemFree")
 
 
 def settle() -> float:
@@ -334,6 +328,12 @@ def settle() -> float:
             SETTLE_QUIET_BYTES_PER_S / 2 else 0
         last = now
     return time.monotonic() - began
+
+
+def _settled(run_once: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """``run_once(*args)`` once the last run's memory is freed, with the seconds waited."""
+    settled = settle()
+    return {**run_once(*args), "settled_s": settled}
 
 
 def run(workers: list[int], comms: list[str], iters: int, work: Path, with_ddp: bool,
@@ -355,15 +355,12 @@ def run(workers: list[int], comms: list[str], iters: int, work: Path, with_ddp: 
             runs: dict[str, list[dict[str, Any]]] = {}
             for k in range(repeats):  # alternate: DDP, then each scheme, then again
                 if with_ddp:
-                    settled = settle()
-                    runs.setdefault("ddp", []).append(run_ddp(db, n, iters, net, bits_per_s))
-                    runs["ddp"][-1]["settled_s"] = settled
+                    runs.setdefault("ddp", []).append(
+                        _settled(run_ddp, db, n, iters, net, bits_per_s))
                 for comm in (comms if n > 1 else ["-"]):
-                    settled = settle()
-                    runs.setdefault(comm, []).append(
-                        run_poseidon(work / f"r{k}", db, n, comm, iters, net, bits_per_s,
-                                     common))
-                    runs[comm][-1]["settled_s"] = settled
+                    runs.setdefault(comm, []).append(_settled(
+                        run_poseidon, work / f"r{k}", db, n, comm, iters, net, bits_per_s,
+                        common))
             ddp = _median_run(runs["ddp"]) if with_ddp else None
             if ddp:
                 results["ddp"].append(ddp)
