@@ -25,7 +25,12 @@ class CommStats:
         # (layer, scheme) -> [sent_net, recv_net, sent_all, recv_all, messages sent, received]
         self._bytes: dict[tuple[int, str], list[int]] = defaultdict(lambda: [0] * 6)
         self._wait: dict[int, float] = defaultdict(float)
-        self._intervals: dict[int, list[tuple[int, float, float]]] = defaultdict(list)  # round ->
+        #: round -> (layer, released, applied) of the rounds not yet folded into the totals
+        self._intervals: dict[int, list[tuple[int, float, float]]] = defaultdict(list)
+        #: the folded rounds: how many, their communication and its part hidden, and the
+        #: round below which every round is folded
+        self._folded = [0, 0.0, 0.0]
+        self._folded_below = 0
         self._rounds: dict[int, int] = defaultdict(int)  # layer -> completed rounds
         self.layer_names: dict[int, str] = {}
         #: run facts (rank, plan, ...) written alongside the counters
@@ -47,8 +52,26 @@ class CommStats:
     def add_round(self, layer: int, rnd: int, released: float, applied: float) -> None:
         """A worker finished round ``rnd`` of ``layer`` (released -> update applied)."""
         with self._lock:
-            self._intervals[rnd].append((layer, released, applied))
+            if rnd < self._folded_below:  # a round already folded: its interval alone
+                self._fold([(layer, released, applied)], rounds=0)
+            else:
+                self._intervals[rnd].append((layer, released, applied))
+            # A layer's round R is released after its forward, which waited for every
+            # layer's round R-1: rounds before R-1 are complete, and folding them keeps a
+            # long run's counters (and each display's summary) as small as its first rounds'.
+            # Folded two further back, for a margin.
+            below = rnd - 2
+            if below > self._folded_below:
+                for r in [r for r in self._intervals if r < below]:
+                    self._fold(self._intervals.pop(r))
+                self._folded_below = below
         self.note_round(layer, rnd)
+
+    def _fold(self, intervals: list[tuple[int, float, float]], rounds: int = 1) -> None:
+        c, h = _overlap(intervals)
+        self._folded[0] += rounds
+        self._folded[1] += c
+        self._folded[2] += h
 
     def note_round(self, layer: int, rnd: int) -> None:
         """Round ``rnd`` of ``layer`` took place (per-iteration averages divide by the count)."""
@@ -67,18 +90,19 @@ class CommStats:
                                "all_sent_per_iter": sa / n, "all_recv_per_iter": ra / n,
                                "messages_sent_per_iter": ms / n,
                                "messages_recv_per_iter": mr / n})
-            comm, hidden = 0.0, 0.0
+            rounds, comm, hidden = self._folded
             for ivs in self._intervals.values():
                 c, h = _overlap(ivs)
                 comm += c
                 hidden += h
-            iters = max(len(self._intervals), 1)
+            rounds += len(self._intervals)
+            iters = max(rounds, 1)
             return {**self.extra, "layers": layers,
                     "wait_s_per_iter": sum(self._wait.values()) / iters,
                     "wait_s_by_layer": {str(k): v / iters for k, v in sorted(self._wait.items())},
                     "comm_s_per_iter": comm / iters,
                     "hidden_fraction": hidden / comm if comm > 0 else 0.0,
-                    "iterations": len(self._intervals)}
+                    "iterations": rounds}
 
     def format_lines(self) -> list[str]:
         s = self.summary()
