@@ -95,9 +95,8 @@ def gather(unit: Unit, out: np.ndarray | None = None) -> np.ndarray:
     for p in params:
         diff = p.blob.diff
         n = int(diff.size)
-        part = out[offset:offset + n]
-        if not lies_at(diff, part):
-            part[...] = backend.to_numpy(diff).reshape(-1)
+        if not lies_at(diff, out, offset):
+            out[offset:offset + n] = backend.to_numpy(diff).reshape(-1)
         offset += n
     return out
 
@@ -130,10 +129,9 @@ def in_place(unit: Unit, vec: np.ndarray) -> bool:
     """Whether every diff of the unit lies at its part of ``vec`` (``gather``'s order)."""
     offset = 0
     for p in unit.params:
-        n = int(p.blob.diff.size)
-        if not lies_at(p.blob.diff, vec[offset:offset + n]):
+        if not lies_at(p.blob.diff, vec, offset):
             return False
-        offset += n
+        offset += int(p.blob.diff.size)
     return True
 
 
@@ -166,9 +164,28 @@ def _references(blob: Any) -> int:
     return sys.getrefcount(diff)
 
 
-def lies_at(diff: Any, part: np.ndarray) -> bool:
+def lies_at(diff: Any, vec: np.ndarray, offset: int = 0) -> bool:
+    """Whether ``diff`` is the C-contiguous NumPy view of ``vec`` from element ``offset``."""
     return isinstance(diff, np.ndarray) and diff.flags.c_contiguous and \
-        diff.__array_interface__["data"][0] == part.__array_interface__["data"][0]
+        address(diff) == address(vec) + offset * vec.itemsize
+
+
+def address(a: np.ndarray) -> int:
+    """The address of an array's first byte. NumPy builds a dict to say it (about a
+    microsecond, paid several times a round by every synchronised unit), so each array's is
+    kept while it lives: an array's data never moves (NumPy has no way to move it but
+    ``resize``, which nothing here calls on a diff or a unit's vector)."""
+    known = _ADDRESSES.get(id(a))
+    if known is not None and known[0]() is a:
+        return known[1]
+    at = a.__array_interface__["data"][0]
+    key = id(a)
+    _ADDRESSES[key] = (weakref.ref(a, lambda _, key=key: _ADDRESSES.pop(key, None)), at)
+    return at
+
+
+#: id -> (the array, weakly, its address), while it lives
+_ADDRESSES: dict[int, tuple[weakref.ref, int]] = {}
 
 
 def scatter_sum(unit: Unit, total: np.ndarray) -> None:
@@ -178,8 +195,8 @@ def scatter_sum(unit: Unit, total: np.ndarray) -> None:
     for p in unit.params:
         diff = p.blob.diff
         n = int(diff.size)
-        part = total[offset:offset + n]
-        if not lies_at(diff, part):
+        if not lies_at(diff, total, offset):
+            part = total[offset:offset + n]
             diff[...] = backend.get_array_module(diff).asarray(part.reshape(diff.shape),
                                                                dtype=diff.dtype)
         offset += n

@@ -258,7 +258,7 @@ class CollectiveScheme(DenseScheme):
         """The signal bits every worker raised this round (the signal unit's; 0 else)."""
         if unit.id != self.signal_unit:
             return 0
-        got = self.on_host(flags if flags is not None else vec[unit.count:])
+        got = self.on_host(flags if flags is not None else vec[unit.count:]).tolist()
         return sum(b for b, f in zip(SIGNAL_BITS, got) if f > 0)
 
     def signal_vector(self, values: list[float]) -> Any:
