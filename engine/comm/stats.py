@@ -52,26 +52,27 @@ class CommStats:
     def add_round(self, layer: int, rnd: int, released: float, applied: float) -> None:
         """A worker finished round ``rnd`` of ``layer`` (released -> update applied)."""
         with self._lock:
-            if rnd < self._folded_below:  # a round already folded: its interval alone
-                self._fold([(layer, released, applied)], rounds=0)
-            else:
+            if rnd >= self._folded_below:
                 self._intervals[rnd].append((layer, released, applied))
+            else:  # a round already folded: its interval alone
+                self._fold([(layer, released, applied)], rounds=0)
             # A layer's round R is released after its forward, which waited for every
             # layer's round R-1: rounds before R-1 are complete, and folding them keeps a
             # long run's counters (and each display's summary) as small as its first rounds'.
             # Folded two further back, for a margin.
-            below = rnd - 2
-            if below > self._folded_below:
-                for r in [r for r in self._intervals if r < below]:
+            if rnd - 2 > self._folded_below:
+                self._folded_below = rnd - 2
+                for r in [r for r in self._intervals if r < rnd - 2]:
                     self._fold(self._intervals.pop(r))
-                self._folded_below = below
-        self.note_round(layer, rnd)
+            if self._rounds[layer] <= rnd:
+                self._rounds[layer] = rnd + 1
 
     def _fold(self, intervals: list[tuple[int, float, float]], rounds: int = 1) -> None:
         c, h = _overlap(intervals)
-        self._folded[0] += rounds
-        self._folded[1] += c
-        self._folded[2] += h
+        folded = self._folded
+        folded[0] += rounds
+        folded[1] += c
+        folded[2] += h
 
     def note_round(self, layer: int, rnd: int) -> None:
         """Round ``rnd`` of ``layer`` took place (per-iteration averages divide by the count)."""
@@ -130,16 +131,18 @@ def _overlap(intervals: list[tuple[int, float, float]]) -> tuple[float, float]:
     """
     if not intervals:
         return 0.0, 0.0
-    lo = min(r for _, r, _ in intervals)
-    hi = max(r for _, r, _ in intervals)
+    spans = sorted([(a, b) for _, a, b in intervals])  # by release
+    hi = spans[-1][0]
     total = hidden = 0.0
     end = -float("inf")
-    for _, a, b in sorted(intervals, key=lambda t: t[1]):
-        a = max(a, end)
+    for a, b in spans:
+        if a < end:
+            a = end
         if b <= a:
             continue
         total += b - a
-        hidden += max(0.0, min(b, hi) - max(a, lo))
+        if a < hi:  # and a is past the first release: the spans are in release order
+            hidden += (b if b < hi else hi) - a
         end = b
     return total, hidden
 
