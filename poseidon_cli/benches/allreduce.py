@@ -8,7 +8,9 @@ that size to its sum in the diffs, through the progress thread and, for an engin
 and wait threads; the mean is the solver update's, folded into the pass it makes anyway),
 and, beside them, the engines called bare: torch.distributed's all_reduce on a Gloo process
 group and mpi4py's Allreduce on MPI_COMM_WORLD, as a user's script would. Each repeat runs
-every peer once, in turn, each after a barrier; a repeat's time is the slowest rank's (a
+every peer once, each after a barrier, in an order rotated at every repeat (a peer runs
+slower after one whose threads are still winding down: gloo's, say; none always follows the
+same one); a repeat's time is the slowest rank's (a
 collective ends when its slowest rank does), and the row gives the median over the repeats. A
 scheme is timed twice over: from the release of its layer to the sum in its diffs (what
 training waits for before the update: the hand-offs to the progress thread and back, the
@@ -201,8 +203,8 @@ def child(config_path: str, rank_arg: str | None) -> None:
                 once(peer)
         for s in spans.values():
             s.clear()
-        for _ in range(cfg["repeats"][k]):
-            for peer in peers:
+        for i in range(cfg["repeats"][k]):
+            for peer in peers[i % len(peers):] + peers[:i % len(peers)]:
                 row[peer].append(once(peer))
         for s in syncers:
             row[f"{s}: sum"] = spans[s]
