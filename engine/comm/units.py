@@ -175,11 +175,11 @@ def address(a: np.ndarray) -> int:
     microsecond, paid several times a round by every synchronised unit), so each array's is
     kept while it lives: an array's data never moves (NumPy has no way to move it but
     ``resize``, which nothing here calls on a diff or a unit's vector)."""
-    known = _ADDRESSES.get(id(a))
+    key = id(a)
+    known = _ADDRESSES.get(key)
     if known is not None and known[0]() is a:
         return known[1]
     at = a.__array_interface__["data"][0]
-    key = id(a)
     _ADDRESSES[key] = (weakref.ref(a, lambda _, key=key: _ADDRESSES.pop(key, None)), at)
     return at
 

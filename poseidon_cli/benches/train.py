@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: kernel frees a run's memory and namespaces for seconds after its processes exit (MemFree
 #: still rose by 16 MB/s 5 s after a run), and the next run pays: MPI's ranks, which
 #: busy-poll, ran at 0.60-0.80 of DDP 0-3 s after a Gloo or SFB run and 0.98 once MemFree
-#: held still, 8-19 s after an SFB run (FC-heavy net, 1 Gbit/s); every run, DDP's too, waits
+#: held still, 8-19 s after an SFB run (FC-heavy net, 1 Gbit/s). Every run, DDP's too, waits so.
 SETTLE_S = 3.0
 SETTLE_MAX_S = 30.0
 SETTLE_QUIET_BYTES_PER_S = 4 << 20
