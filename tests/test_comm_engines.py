@@ -236,6 +236,61 @@ def test_a_blocking_engines_last_op_waits_here_for_its_turn_and_is_summed_here()
         c.close()
 
 
+class _ReportingRecorder(_Recorder):
+    """An engine that reports on a thread of its own (Gloo's future), and can be waited for."""
+    fail_finish = False
+
+    def __init__(self, setup, rank, world, address, timeout) -> None:
+        super().__init__(setup, rank, world, address, timeout)
+        self.reported: list[int] = []
+        self.finished_on: dict[int, str] = {}
+
+    def start(self, vec):
+        super().start(vec)
+        return int(vec[0])
+
+    def then(self, handle, done) -> bool:
+        self.reported.append(handle)
+        threading.Thread(target=done, args=(None,)).start()
+        return True
+
+    def finish(self, handle) -> None:
+        self.finished_on[handle] = threading.current_thread().name
+        if self.fail_finish:
+            raise RuntimeError("Connection reset by peer")
+
+
+def test_a_reporting_engines_last_op_is_waited_for_on_the_thread_that_submits_it():
+    """The round's last op (``here``) of an engine that reports on its own thread is waited
+    for where it was submitted, as a bare call's: its completion runs there, with no report
+    from the engine's thread. One that comes before its turn is issued, and reported, by
+    the op before it. A failed wait is the job's error, and nothing is applied."""
+    errors: list[str] = []
+    c = Collective(_ReportingRecorder, b"", 0, 2, "127.0.0.1", 5.0, errors.append)
+    me = threading.current_thread().name
+    try:
+        done = threading.Semaphore(0)
+        ran: list[str] = []
+        c.submit(0, np.array([0]), done.release, "op 0")
+        c.submit(1, np.array([1]), lambda: ran.append(threading.current_thread().name),
+                 "the last", here=True)
+        assert ran == [me]  # complete when submit returns, on this thread
+        assert c.backend.reported == [0] and c.backend.finished_on == {1: me}
+        assert done.acquire(timeout=5)
+        c.submit(3, np.array([3]), done.release, "the last, early", here=True)
+        c.submit(2, np.array([2]), done.release, "op 2")
+        for _ in range(2):
+            assert done.acquire(timeout=5)
+        assert c.backend.order == [0, 1, 2, 3] and c.backend.reported == [0, 2, 3]
+        c.backend.fail_finish = True
+        c.submit(4, np.array([4]), done.release, "the last of round 2", here=True)
+        assert not done.acquire(timeout=0.2)
+        assert errors == [c.failed] and c.failed == (
+            "the recorder allreduce of the last of round 2 failed: Connection reset by peer")
+    finally:
+        c.close(clean=False)
+
+
 class _StuckRecorder(_InlineRecorder):
     release = threading.Event()
 

@@ -13,7 +13,8 @@ engine/comm/schemes/collective.py, and its backends gloo.py, mpi.py and nccl.py)
   whichever thread submits an op in its turn (a hand-off at every release costs a
   scheduling delay where backward keeps the cores busy). Completions are reported by the
   engine's own thread (Gloo's future, MPI's engine thread) or, for an engine that cannot
-  call back (NCCL's stream event), by a wait thread that waits for each op in turn.
+  call back (NCCL's stream event), by a wait thread that waits for each op in turn; an op
+  its submitter waits for anyway (the round's last) is waited for on that thread.
 - **probe**: at start-up, every worker at once, a 4 KB and a 4 MB allreduce on the engine,
   fitted as a ring's alpha and beta (``EngineCost``): what the planner prices the engine's
   layers with and the plan records.
@@ -196,7 +197,8 @@ class Collective:
         is summed here, whatever its size (the round's last: its caller waits for it anyway);
         another engine's are issued here when it is their turn (a thread hand-off at every
         release costs a scheduling delay where the cores are busy with backward), else by
-        the op before them. ``abort`` raises the job's error while ``here`` waits."""
+        the op before them, and one submitted ``here`` and issued here is waited for here.
+        ``abort`` raises the job's error while ``here`` waits."""
         if self.backend_class.blocking:
             if here:
                 self._take_here(seq, vec, done, what, abort)
@@ -211,7 +213,9 @@ class Collective:
             self._calls.put(("op", seq, vec, done, what))
             return
         with self._order:
-            self._take(seq, vec, done, what)
+            mine = self._take(seq, vec, done, what, here)
+        if mine is not None:
+            self._finish_here(*mine, what)
 
     def _take_here(self, seq: int, vec: Any, done: Callable[[], None], what: str,
                    abort: Callable[[], None] | None) -> None:
@@ -240,13 +244,24 @@ class Collective:
                 raise EngineError(f"{self.name}: {what} waited {self.timeout:g} s for the "
                                   "allreduces before it")
 
-    def _take(self, seq: int, vec: Any, done: Callable[[], None], what: str) -> None:
-        """Hold op ``seq``, then issue every op whose turn it is (under ``_order``)."""
+    def _take(self, seq: int, vec: Any, done: Callable[[], None], what: str,
+              here: bool = False) -> tuple[Any, Callable[[], None]] | None:
+        """Hold op ``seq``, then issue every op whose turn it is (under ``_order``). With
+        ``here``, op ``seq``, if issued now, is left for this thread to wait for: (its handle,
+        its completion)."""
         self._early[seq] = (vec, done, what)
+        mine = None
         while self._next in self._early and self.failed is None:
-            self._issue(*self._early.pop(self._next))
+            waited = here and self._next == seq
+            issued = self._issue(*self._early.pop(self._next), waited)
+            if waited:
+                mine = issued
+        return mine
 
-    def _issue(self, vec: Any, on_done: Callable[[], None], what: str) -> None:
+    def _issue(self, vec: Any, on_done: Callable[[], None], what: str,
+               waited: bool = False) -> tuple[Any, Callable[[], None]] | None:
+        """Issue one op; with ``waited``, return (its handle, its completion) for the thread
+        that waits for it rather than arrange its report."""
         self._next += 1
         if not self._advanced.is_set():  # only a waiter clears it (the set costs a lock)
             self._advanced.set()
@@ -259,10 +274,26 @@ class Collective:
                 inner()
         try:
             handle = self.backend.start(vec)
+            if waited:
+                return handle, on_done
             if not self.backend.then(handle, self._completion(on_done, what)):
                 self._issued.put((handle, on_done, what))
         except Exception as e:
             self._fail(what, e)
+        return None
+
+    def _finish_here(self, handle: Any, on_done: Callable[[], None], what: str) -> None:
+        """Wait on this thread for an op issued here (after the order's lock: ops of other
+        threads go on meanwhile). The engine's completion then wakes only this thread, as
+        the bare call's does: no report on the engine's thread, no event between threads.
+        A failure is the job's (the caller's wait raises it)."""
+        try:
+            self.backend.finish(handle)
+        except Exception as e:
+            self._fail(what, e)
+            return
+        if self.failed is None:
+            on_done()
 
     def _engine_loop(self, enter: Callable[[], None]) -> None:
         enter()

@@ -87,6 +87,9 @@ class GlooBackend(Backend):
         handle.get_future().add_done_callback(report)
         return True
 
+    def finish(self, handle: Any) -> None:
+        handle.wait()  # without the GIL, bounded by the group's timeout (the job's)
+
     def close(self) -> None:
         self.group = None
         self.store = None
