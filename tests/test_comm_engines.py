@@ -159,6 +159,9 @@ class _Recorder(Backend):
     def then(self, handle, done) -> bool:
         return False  # the wait thread's path
 
+    def finish(self, handle) -> None:
+        pass  # complete when started
+
 
 class _BlockingRecorder(_Recorder):
     blocking = True

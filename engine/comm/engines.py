@@ -122,7 +122,11 @@ class Backend(ABC):
         say True; or False: the collective's wait thread calls ``finish`` and then ``done``."""
 
     def finish(self, handle: Any) -> None:
-        """Block until ``handle`` completes (for ``then``'s False)."""
+        """Block until ``handle`` completes, raising its error: for ``then``'s False, and for
+        an op its submitter waits for anyway (the round's last). A blocking engine's ops are
+        complete when ``start`` returns, and need none."""
+        if not self.blocking:
+            raise NotImplementedError(f"{self.name}: the backend cannot be waited for")
 
     def close(self) -> None:
         """Leave the engine (the job's end)."""
