@@ -142,7 +142,7 @@ def test_bench_cluster_real_compute_on_a_small_net(digits_db, tmp_path):  # noqa
     assert "compute: real" in done.stderr
     # where rank 0's CPU went, per iteration, in the report and on the row's next line
     # (the kinds themselves: tests/test_perf_cpu.py; a few iterations of a tiny net are a few
-    # of /proc's 10 ms ticks, so only the whole is sure to be more than none)
+    # milliseconds of CPU, so only the whole is sure to be more than none)
     split = two["cpu_s_per_iter"]
     kinds = ("training", "progress", "transport", "other", "shard")
     assert all(split[k] >= 0 for k in kinds) and sum(split[k] for k in kinds) > 0, split

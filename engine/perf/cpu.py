@@ -1,4 +1,4 @@
-"""Where a worker's CPU goes: seconds per thread and per process, read from Linux's /proc.
+"""Where a worker's CPU goes: seconds per thread and per process, on Linux's CPU-time clocks.
 
 A worker's threads have names: the thread that trains; the communicator's progress thread
 (``poseidon-progress``: sums, SFB's rebuilds of the gradients from their factors, codecs and
@@ -7,13 +7,16 @@ the solver's updates, work a GPU worker does on its device); its transport (``po
 authenticating and checking bytes); and everything else (BLAS and Numba pools, data prefetch,
 threads that ended) is the rest of the process. ``CpuMeter`` takes those apart over a stretch
 of iterations, and its shard's CPU beside them, so a run can say what the communicator costs
-apart from the compute it serves (``--stats``; ``poseidon bench cluster``). Empty where there
-is no /proc.
+apart from the compute it serves (``--stats``; ``poseidon bench cluster``). Each thread's and
+process's CPU clock is the kernel's exact count (``clock_gettime`` of the clock Linux keeps
+for each): /proc's user and system times are whole 10 ms ticks, and a short stretch on a busy
+machine could read none at all; /proc's are the fallback. Empty where there is no /proc.
 """
 from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +45,21 @@ def stat_cpu(path: str) -> tuple[str, float] | None:
     return name, (int(fields[11]) + int(fields[12])) / _TICK
 
 
+def cpu_clock(id_: int, thread: bool) -> float | None:
+    """CPU seconds on Linux's clock of process ``id_`` (its ended threads included) or of
+    thread ``id_`` of this process (glibc's encoding of those clocks' ids, CPUCLOCK_SCHED);
+    None when it is gone, or where there is no such clock."""
+    try:
+        return time.clock_gettime((~id_ << 3) | (6 if thread else 2))
+    except (OSError, OverflowError, AttributeError):
+        return None
+
+
 def process_cpu(pid: int | str = "self") -> float | None:
     """CPU seconds of a whole process (its ended threads included)."""
+    seconds = cpu_clock(os.getpid() if pid == "self" else int(pid), thread=False)
+    if seconds is not None:
+        return seconds
     got = stat_cpu(f"/proc/{pid}/stat")
     return None if got is None else got[1]
 
@@ -71,10 +87,15 @@ def threads_cpu(training: int | None = None) -> dict[str, float]:
     except OSError:
         return out
     for tid in tids:
-        got = stat_cpu(f"/proc/self/task/{tid}/stat")
-        if got is not None:
-            name = names.get(int(tid), got[0])
-            out[name] = out.get(name, 0.0) + got[1]
+        seconds = cpu_clock(int(tid), thread=True)
+        name = names.get(int(tid))
+        if seconds is None or name is None:
+            got = stat_cpu(f"/proc/self/task/{tid}/stat")
+            if got is None:  # ended meanwhile
+                continue
+            name = name or got[0]
+            seconds = got[1] if seconds is None else seconds
+        out[name] = out.get(name, 0.0) + seconds
     return out
 
 
