@@ -86,15 +86,13 @@ def threads_cpu(training: int | None = None) -> dict[str, float]:
         tids = os.listdir("/proc/self/task")
     except OSError:
         return out
-    for tid in tids:
-        seconds = cpu_clock(int(tid), thread=True)
-        name = names.get(int(tid))
-        if seconds is None or name is None:
+    for tid in map(int, tids):
+        name, seconds = names.get(tid), cpu_clock(tid, thread=True)
+        if name is None or seconds is None:  # the kernel's name, or /proc's ticks
             got = stat_cpu(f"/proc/self/task/{tid}/stat")
             if got is None:  # ended meanwhile
                 continue
-            name = name or got[0]
-            seconds = got[1] if seconds is None else seconds
+            name, seconds = name or got[0], got[1] if seconds is None else seconds
         out[name] = out.get(name, 0.0) + seconds
     return out
 
