@@ -568,7 +568,7 @@ def check_equals_reference(d: Path, reference: dict[str, np.ndarray], engine_nam
     if engine_name == "gloo":
         # the round's last unit (its id is the lowest layer) is waited for in its release,
         # and that time counts as waiting: Gloo's ring over TCP takes 2(P-1) steps, each
-        # more than 20 us / 4 on any machine (a wait already applied measures ~10 us here)
+        # more than 20 us / 4 on any machine (a wait that found it applied counts nothing)
         last = min(layer for u in s["units"] for layer in u["layers"])
         assert s["wait_s_by_layer"][str(last)] > 20e-6, s["wait_s_by_layer"]
     assert f"travel on {engine_name} (" in done.stderr and "authenticates nothing" in done.stderr

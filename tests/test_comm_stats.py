@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.comm.stats import CommStats, _overlap
+from engine.comm.stats import FOLD_EVERY, CommStats, _overlap
 
 
 def _rounds(n: int, layers: int = 3, seed: int = 0) -> list[tuple[int, int, float, float]]:
@@ -42,7 +42,8 @@ def test_a_long_runs_counters_hold_a_few_rounds_and_sum_every_round() -> None:
         kept = max(kept, len(stats._intervals))
     rounds, comm, hidden = _expected(events)
     s = stats.summary()
-    assert kept <= 4  # the rounds not yet known complete, not the run's 3,000
+    # the rounds not yet known complete and one batch waiting to be folded, not the run's 3,000
+    assert kept <= 4 + FOLD_EVERY
     assert s["iterations"] == rounds == 3000
     assert s["comm_s_per_iter"] == pytest.approx(comm / rounds, rel=1e-12)
     assert s["hidden_fraction"] == pytest.approx(hidden / comm, rel=1e-12)

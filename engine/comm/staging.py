@@ -65,9 +65,10 @@ class Staging:
     def begin(self, unit: Unit) -> Staged | None:
         """On the training thread at release: queue the copy of ``unit``'s gradients to the
         host behind what the compute stream has queued so far; None for host arrays."""
-        diffs = [p.blob.diff for p in unit.params]
-        if not diffs or not backend.is_gpu_array(diffs[0]):
+        params = unit.params
+        if not params or not backend.is_gpu_array(params[0].blob.diff):
             return None
+        diffs = [p.blob.diff for p in params]
         import cupy
         device = diffs[0].device
         with device:

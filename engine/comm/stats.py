@@ -17,6 +17,10 @@ from pathlib import Path
 from typing import Any
 
 
+#: how many complete rounds ``add_round`` folds into the totals at once
+FOLD_EVERY = 16
+
+
 class CommStats:
     """Thread-safe counters shared by the transport (bytes) and the syncer (times)."""
 
@@ -45,6 +49,18 @@ class CommStats:
             if network:
                 row[0 if sent else 1] += nbytes
 
+    def add_allreduce(self, layer: int, scheme: str, nbytes: int) -> None:
+        """A collective engine's allreduce, counted as one message of ``nbytes`` each way,
+        across the network (what a ring moves per worker)."""
+        with self._lock:
+            row = self._bytes[(layer, scheme)]
+            row[0] += nbytes
+            row[1] += nbytes
+            row[2] += nbytes
+            row[3] += nbytes
+            row[4] += 1
+            row[5] += 1
+
     def add_wait(self, layer: int, seconds: float) -> None:
         with self._lock:
             self._wait[layer] += seconds
@@ -59,12 +75,15 @@ class CommStats:
             # A layer's round R is released after its forward, which waited for every
             # layer's round R-1: rounds before R-1 are complete, and folding them keeps a
             # long run's counters (and each display's summary) as small as its first rounds'.
-            # Folded two further back, for a margin.
-            if rnd - 2 > self._folded_below:
+            # Folded two further back, for a margin, and FOLD_EVERY rounds at a time: a
+            # round's own bookkeeping stays a few operations (a small allreduce's round pays
+            # for each of them).
+            if rnd - 2 >= self._folded_below + FOLD_EVERY:
                 self._folded_below = rnd - 2
                 for r in [r for r in self._intervals if r < rnd - 2]:
                     self._fold(self._intervals.pop(r))
-            self._note(layer, rnd)
+            if self._rounds[layer] <= rnd:
+                self._rounds[layer] = rnd + 1
 
     def _fold(self, intervals: list[tuple[int, float, float]], rounds: int = 1) -> None:
         c, h = _overlap(intervals)
@@ -103,7 +122,9 @@ class CommStats:
             iters = max(rounds, 1)
             return {**self.extra, "layers": layers,
                     "wait_s_per_iter": sum(self._wait.values()) / iters,
-                    "wait_s_by_layer": {str(k): v / iters for k, v in sorted(self._wait.items())},
+                    # every unit, one that never had to wait too
+                    "wait_s_by_layer": {str(k): self._wait.get(k, 0.0) / iters
+                                        for k in sorted(set(self._wait) | set(self.layer_names))},
                     "comm_s_per_iter": comm / iters,
                     "hidden_fraction": hidden / comm if comm > 0 else 0.0,
                     "iterations": rounds}

@@ -257,13 +257,13 @@ class Syncer:
         tl = timeline.current
         start = tl.now()
         with self._cond:
+            blocked = self._applied[layer] < self._released[layer]
             while self._applied[layer] < self._released[layer]:
                 self.raise_if_failed()
                 self._cond.wait(0.5)
         self.raise_if_failed()
-        waited = now() - t
-        if waited > 0:
-            self.stats.add_wait(self._unit_of[layer].id, waited)
+        if blocked:
+            self.stats.add_wait(self._unit_of[layer].id, now() - t)
         if tl.active:
             tl.complete(self.layers[layer].name, "wait", start)
 
@@ -408,7 +408,7 @@ class Syncer:
             self._rounds_done[unit.id] += 1
             self._cond.notify_all()
         self.stats.add_round(unit.id, rnd, released, now())
-        if self._last_layer in (s.layer for s in unit.layers) and self.on_round_done is not None:
+        if unit.id == self._last_layer and self.on_round_done is not None:  # (the lowest)
             self.on_round_done(rnd)
 
     # ------------------------------------------------------------------- internals

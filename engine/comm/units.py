@@ -6,6 +6,7 @@ Below the schemes and the codecs, which both work on units.
 """
 from __future__ import annotations
 
+import ctypes
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -171,21 +172,14 @@ def lies_at(diff: Any, vec: np.ndarray, offset: int = 0) -> bool:
 
 
 def address(a: np.ndarray) -> int:
-    """The address of an array's first byte. NumPy builds a dict to say it (about a
-    microsecond, paid several times a round by every synchronised unit), so each array's is
-    kept while it lives: an array's data never moves (NumPy has no way to move it but
-    ``resize``, which nothing here calls on a diff or a unit's vector)."""
-    key = id(a)
-    known = _ADDRESSES.get(key)
-    if known is not None and known[0]() is a:
-        return known[1]
-    at = a.__array_interface__["data"][0]
-    _ADDRESSES[key] = (weakref.ref(a, lambda _, key=key: _ADDRESSES.pop(key, None)), at)
-    return at
-
-
-#: id -> (the array, weakly, its address), while it lives
-_ADDRESSES: dict[int, tuple[weakref.ref, int]] = {}
+    """The address of an array's first byte. Through ctypes, which asks the array's buffer
+    for it in C: NumPy's ``__array_interface__`` builds a dict to say it, a microsecond warm
+    and tens once cold, and a round asks it of a fresh view of a diff (``gather``'s) each time.
+    An array that lends no simple writable buffer (read-only, strided, empty) says it so."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(a))
+    except (TypeError, ValueError, BufferError):
+        return a.__array_interface__["data"][0]
 
 
 def scatter_sum(unit: Unit, total: np.ndarray) -> None:

@@ -43,6 +43,15 @@ from .base import DenseScheme, Finished
 
 #: the request bits a signal unit carries, one value each behind its gradients
 SIGNAL_BITS = (pb.REQUEST_SNAPSHOT, pb.REQUEST_STOP, pb.REQUEST_OVERFLOW, pb.REQUEST_LEAVE)
+_SIGNAL_MASK = sum(SIGNAL_BITS)
+#: each set of raised bits as the values written behind the gradients: a memoryview's copy
+#: and read are single C calls, where NumPy's conversion of a list and its ufuncs run through
+#: machinery that costs tens of microseconds each once it is cold (a round's start, after
+#: backward or a pause), which a small allreduce's round pays in full
+_SIGNAL_ROWS = {key: memoryview(np.array([1.0 if key & b else 0.0 for b in SIGNAL_BITS],
+                                         np.float32))
+                for key in range(_SIGNAL_MASK + 1) if not key & ~_SIGNAL_MASK}
+_NO_SIGNALS = [0.0] * len(SIGNAL_BITS)
 #: a signal unit whose diffs cannot be placed in the vector that carries the signals behind
 #: them (a diff something else holds, a GPU's), and this large, sends its signals in an
 #: allreduce of their own: copying it in would cost more than that small allreduce. Any other
@@ -157,6 +166,10 @@ class CollectiveScheme(DenseScheme):
                 self._buffers.pop(u.id, None)
             elif buf is None:  # a GPU's, staged: copied in behind
                 self._buffers[u.id] = np.empty(u.count + len(SIGNAL_BITS), dtype)
+        #: where the signal values lie behind a host signal unit's gradients
+        self._signal_tail: memoryview | None = None
+        if self.signal_unit is not None and not self._signals_apart:
+            self._signal_tail = memoryview(self._buffers[self.signal_unit][-len(SIGNAL_BITS):])
 
     def _behind(self, unit: Unit) -> int:
         # the signal values, behind a host signal unit's gradients
@@ -231,21 +244,18 @@ class CollectiveScheme(DenseScheme):
         (the vector summed, the signal vector or None)."""
         flags = None
         if unit.id == self.signal_unit:
-            values = [1.0 if bits & b else 0.0 for b in SIGNAL_BITS]
-            if self._signals_apart:
-                flags = self.signal_vector(values)
+            if self._signal_tail is None:
+                flags = self.signal_vector(_SIGNAL_ROWS[bits & _SIGNAL_MASK].tolist())
             else:
                 buf = self._buffers[unit.id]
-                if not lies_at(vec, buf):  # a diff held elsewhere, or a staged vector
+                if vec is not buf and not lies_at(vec, buf):  # a diff held elsewhere, staged
                     buf[:unit.count] = vec[:unit.count]
-                buf[unit.count:] = values
+                self._signal_tail[:] = _SIGNAL_ROWS[bits & _SIGNAL_MASK]
                 vec = buf
         first = rnd * self._ops_per_round
         moved = int(2 * (self.host.world - 1) / self.host.world * unit.count
                     * vec.dtype.itemsize)
-        stats = self.host.ep.stats
-        stats.add_bytes(unit.id, self.name, True, moved, True)
-        stats.add_bytes(unit.id, self.name, False, moved, True)
+        self.host.ep.stats.add_allreduce(unit.id, self.name, moved)
         abort = self.host.raise_if_failed if here else None
         self.collective.submit(first + self._position[unit.id], vec, done,
                                f"{unit.name} round {rnd}", here, abort)
@@ -258,7 +268,9 @@ class CollectiveScheme(DenseScheme):
         """The signal bits every worker raised this round (the signal unit's; 0 else)."""
         if unit.id != self.signal_unit:
             return 0
-        got = self.on_host(flags if flags is not None else vec[unit.count:]).tolist()
+        got = self.on_host(flags).tolist() if flags is not None else self._signal_tail.tolist()
+        if got == _NO_SIGNALS:
+            return 0
         return sum(b for b, f in zip(SIGNAL_BITS, got) if f > 0)
 
     def signal_vector(self, values: list[float]) -> Any:
