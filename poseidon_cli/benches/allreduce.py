@@ -141,7 +141,8 @@ class _Blob:
         self.diff = np.ones(n, np.float32)
 
 
-def _syncer(scheme: str, nbytes: int, rank: int, world: int, base: int, key: bytes) -> Any:
+def layer_syncer(scheme: str, nbytes: int, rank: int, world: int, base: int,
+                 key: bytes) -> Any:
     """One layer of ``nbytes`` synchronised by ``scheme`` among ``world`` local workers."""
     from engine.comm.cost import LayerInfo
     from engine.comm.planner import PlanOptions, make_plan
@@ -179,7 +180,7 @@ def child(config_path: str, rank_arg: str | None) -> None:
         syncers = {}
         for j, scheme in enumerate(s for s in SCHEMES if s in peers):
             base = cfg["base"] + 2 + (k * len(SCHEMES) + j) * per_size
-            syncers[scheme] = _syncer(scheme, nbytes, rank, world, base, key)
+            syncers[scheme] = layer_syncer(scheme, nbytes, rank, world, base, key)
         buf = np.ones(nbytes // 4, np.float32)
         row: dict[str, list[float]] = {peer: [] for peer in peers}
         row.update({f"{s}: sum": [] for s in syncers})
