@@ -44,14 +44,19 @@ from .base import DenseScheme, Finished
 #: the request bits a signal unit carries, one value each behind its gradients
 SIGNAL_BITS = (pb.REQUEST_SNAPSHOT, pb.REQUEST_STOP, pb.REQUEST_OVERFLOW, pb.REQUEST_LEAVE)
 _SIGNAL_MASK = sum(SIGNAL_BITS)
-#: each set of raised bits as the values written behind the gradients: a memoryview's copy
-#: and read are single C calls, where NumPy's conversion of a list and its ufuncs run through
-#: machinery that costs tens of microseconds each once it is cold (a round's start, after
-#: backward or a pause), which a small allreduce's round pays in full
-_SIGNAL_ROWS = {key: memoryview(np.array([1.0 if key & b else 0.0 for b in SIGNAL_BITS],
-                                         np.float32))
-                for key in range(_SIGNAL_MASK + 1) if not key & ~_SIGNAL_MASK}
 _NO_SIGNALS = [0.0] * len(SIGNAL_BITS)
+
+
+def signal_rows(dtype: Any) -> dict[int, memoryview]:
+    """Each set of raised bits as the values written behind the gradients, in their dtype: a
+    memoryview's copy and read are single C calls, where NumPy's conversion of a list and its
+    ufuncs run through machinery that costs tens of microseconds once it is cold (a round's
+    start, after backward or a pause), which a small allreduce's round pays in full."""
+    return {key: memoryview(np.array([1.0 if key & b else 0.0 for b in SIGNAL_BITS], dtype))
+            for key in range(_SIGNAL_MASK + 1) if not key & ~_SIGNAL_MASK}
+
+
+_SIGNAL_ROWS = signal_rows(np.float32)  # a signal vector of its own is float32
 #: a signal unit whose diffs cannot be placed in the vector that carries the signals behind
 #: them (a diff something else holds, a GPU's), and this large, sends its signals in an
 #: allreduce of their own: copying it in would cost more than that small allreduce. Any other
@@ -169,7 +174,9 @@ class CollectiveScheme(DenseScheme):
         #: where the signal values lie behind a host signal unit's gradients
         self._signal_tail: memoryview | None = None
         if self.signal_unit is not None and not self._signals_apart:
-            self._signal_tail = memoryview(self._buffers[self.signal_unit][-len(SIGNAL_BITS):])
+            vec = self._buffers[self.signal_unit]
+            self._signal_tail = memoryview(vec[-len(SIGNAL_BITS):])
+            self._signal_rows = signal_rows(vec.dtype)
 
     def _behind(self, unit: Unit) -> int:
         # the signal values, behind a host signal unit's gradients
@@ -250,7 +257,7 @@ class CollectiveScheme(DenseScheme):
                 buf = self._buffers[unit.id]
                 if vec is not buf and not lies_at(vec, buf):  # a diff held elsewhere, staged
                     buf[:unit.count] = vec[:unit.count]
-                self._signal_tail[:] = _SIGNAL_ROWS[bits & _SIGNAL_MASK]
+                self._signal_tail[:] = self._signal_rows[bits & _SIGNAL_MASK]
                 vec = buf
         first = rnd * self._ops_per_round
         moved = int(2 * (self.host.world - 1) / self.host.world * unit.count
