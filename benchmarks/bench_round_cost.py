@@ -101,6 +101,10 @@ def main() -> None:
     if args.child:
         child(args)
         return
+    try:
+        [parse_size(x) for x in args.sizes.split(",")]
+    except (ValueError, IndexError):
+        sys.exit(f"bench_round_cost: --sizes {args.sizes!r}: sizes like 64K,1M,4096")
     from engine.comm.auth import KEY_ENV, key_hex, new_key
     from poseidon_cli.benches.allreduce import mpi_launcher
 
@@ -115,8 +119,15 @@ def main() -> None:
     env = {**os.environ, KEY_ENV: key_hex(new_key()), "OMP_NUM_THREADS": "1",
            "OPENBLAS_NUM_THREADS": "1"}
     try:
-        subprocess.run(cmd, env=env, check=True, timeout=600, stdout=subprocess.DEVNULL)
+        done = subprocess.run(cmd, env=env, timeout=600, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+        if done.returncode != 0 or not result.exists():
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            sys.exit(f"bench_round_cost: {mpiexec} -n {args.workers} failed "
+                     f"(exit {done.returncode}): {last}")
         got = json.loads(result.read_text())
+    except subprocess.TimeoutExpired:
+        sys.exit(f"bench_round_cost: {mpiexec} -n {args.workers} took over 600 s")
     finally:
         result.unlink(missing_ok=True)
     print(f"P={got['workers']}, {got['gap_ms']:g} ms of other Python before each, "
