@@ -1,10 +1,11 @@
 #!/bin/bash
-# One lent GPU machine's checks for issue "every reference net within 1.3x of PyTorch", in one
-# call (docs/gpu.md, "On a lent GPU machine", says how to start it).
+# One lent GPU machine's checks for issue "every reference net within 1.3x of PyTorch", in
+# two calls (docs/gpu.md, "On a lent GPU machine", says how to start them).
 #
 #   bash benchmarks/gpu_session.sh prepare      here: the wheels and fixtures the machine lacks
-#   bash benchmarks/gpu_session.sh run [PARTS]  there: PARTS from tests, lenet, bench (all three
-#                                               by default), logs and JSON under $OUT
+#   bash benchmarks/gpu_session.sh run PARTS    there: PARTS from tests, lenet, bench; logs and
+#                                               JSON under $OUT. A call may run 10 minutes:
+#                                               `run bench`, then `run tests lenet`
 #
 # The machine has Python 3.12 with CuPy, PyTorch and NumPy but not pyzmq, lmdb, cryptography
 # or cuDNN's frontend, and it cannot reach a registry: `prepare` downloads them as wheels into
@@ -35,7 +36,7 @@ prepare() {
 }
 
 run() {
-    local parts=${*:-tests lenet bench}
+    local parts=${*:?name the parts: bench, or tests lenet (one call each: a call may run 10 minutes)}
     : "${OUT:?run it on the device machine, where \$OUT is set}"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || return 1
