@@ -69,5 +69,5 @@ cupy.cuda.runtime.runtimeGetVersion(), "torch", torch.__version__, "numpy", nump
 case $what in
 prepare) prepare ;;
 run) run "$@" ;;
-*) sed -n 2,14p "$0"; exit 2 ;;
+*) sed -n 2,15p "$0"; exit 2 ;;
 esac
