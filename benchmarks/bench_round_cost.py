@@ -28,17 +28,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20}
-    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
-
-
 def child(args: argparse.Namespace) -> None:
     import numpy as np
 
     from engine.comm.auth import job_key
     from engine.comm.schemes.mpi import init_mpi
     from poseidon_cli.benches.allreduce import layer_syncer
+    from poseidon_cli.options import parse_sizes
 
     MPI = init_mpi()
     comm = MPI.COMM_WORLD
@@ -53,7 +49,7 @@ def child(args: argparse.Namespace) -> None:
             pass
 
     rows = []
-    for k, nbytes in enumerate(parse_size(s) for s in args.sizes.split(",")):
+    for k, nbytes in enumerate(parse_sizes(args.sizes)):
         sync = layer_syncer("mpi", nbytes, rank, world, args.port + 4 * world * k, key)
         buf = np.ones(nbytes // 4, np.float32)
 
@@ -101,10 +97,11 @@ def main() -> None:
     if args.child:
         child(args)
         return
+    from poseidon_cli.options import parse_sizes
     try:
-        [parse_size(x) for x in args.sizes.split(",")]
-    except (ValueError, IndexError):
-        sys.exit(f"bench_round_cost: --sizes {args.sizes!r}: sizes like 64K,1M,4096")
+        parse_sizes(args.sizes)
+    except ValueError as e:
+        sys.exit(f"bench_round_cost: --sizes: {e}")
     from engine.comm.auth import KEY_ENV, key_hex, new_key
     from poseidon_cli.benches.allreduce import mpi_launcher
 
@@ -119,7 +116,7 @@ def main() -> None:
     env = {**os.environ, KEY_ENV: key_hex(new_key()), "OMP_NUM_THREADS": "1",
            "OPENBLAS_NUM_THREADS": "1"}
     try:
-        done = subprocess.run(cmd, env=env, timeout=600, stdout=subprocess.DEVNULL,
+        done = subprocess.run(cmd, env=env, timeout=600, check=False, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
         if done.returncode != 0 or not result.exists():
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]

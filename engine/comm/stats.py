@@ -82,8 +82,7 @@ class CommStats:
                 self._folded_below = rnd - 2
                 for r in [r for r in self._intervals if r < rnd - 2]:
                     self._fold(self._intervals.pop(r))
-            if self._rounds[layer] <= rnd:
-                self._rounds[layer] = rnd + 1
+            self._note(layer, rnd)
 
     def _fold(self, intervals: list[tuple[int, float, float]], rounds: int = 1) -> None:
         c, h = _overlap(intervals)

@@ -56,7 +56,6 @@ def signal_rows(dtype: Any) -> dict[int, memoryview]:
             for key in range(_SIGNAL_MASK + 1) if not key & ~_SIGNAL_MASK}
 
 
-_SIGNAL_ROWS = signal_rows(np.float32)  # a signal vector of its own is float32
 #: a signal unit whose diffs cannot be placed in the vector that carries the signals behind
 #: them (a diff something else holds, a GPU's), and this large, sends its signals in an
 #: allreduce of their own: copying it in would cost more than that small allreduce. Any other
@@ -252,7 +251,7 @@ class CollectiveScheme(DenseScheme):
         flags = None
         if unit.id == self.signal_unit:
             if self._signal_tail is None:
-                flags = self.signal_vector(_SIGNAL_ROWS[bits & _SIGNAL_MASK].tolist())
+                flags = self.signal_vector([1.0 if bits & b else 0.0 for b in SIGNAL_BITS])
             else:
                 buf = self._buffers[unit.id]
                 if vec is not buf and not lies_at(vec, buf):  # a diff held elsewhere, staged
