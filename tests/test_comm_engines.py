@@ -266,8 +266,10 @@ class _ReportingRecorder(_Recorder):
 def test_a_reporting_engines_last_op_is_waited_for_on_the_thread_that_submits_it():
     """The round's last op (``here``) of an engine that reports on its own thread is waited
     for where it was submitted, as a bare call's: its completion runs there, with no report
-    from the engine's thread. One that comes before its turn is issued, and reported, by
-    the op before it. A failed wait is the job's error, and nothing is applied."""
+    from the engine's thread. One that comes before its turn waits for it (issued by another
+    thread: a GPU's staged units are issued from the progress thread) and is then issued and
+    waited for where it was submitted. A failed wait raises the engine's failure there, which
+    is also the job's error, and nothing is applied."""
     errors: list[str] = []
     c = Collective(_ReportingRecorder, b"", 0, 2, "127.0.0.1", 5.0, errors.append)
     me = threading.current_thread().name
@@ -280,14 +282,23 @@ def test_a_reporting_engines_last_op_is_waited_for_on_the_thread_that_submits_it
         assert ran == [me]  # complete when submit returns, on this thread
         assert c.backend.reported == [0] and c.backend.finished_on == {1: me}
         assert done.acquire(timeout=5)
-        c.submit(3, np.array([3]), done.release, "the last, early", here=True)
+        early = threading.Thread(target=c.submit, name="early", args=(
+            3, np.array([3]), done.release, "the last, early", True))
+        early.start()
+        time.sleep(0.2)  # waiting for its turn
+        assert c.backend.order == [0, 1] and early.is_alive()
         c.submit(2, np.array([2]), done.release, "op 2")
+        early.join(timeout=5)
         for _ in range(2):
             assert done.acquire(timeout=5)
-        assert c.backend.order == [0, 1, 2, 3] and c.backend.reported == [0, 2, 3]
+        assert c.backend.order == [0, 1, 2, 3] and c.backend.reported == [0, 2]
+        assert c.backend.finished_on[3] == "early"
         c.backend.fail_finish = True
-        c.submit(4, np.array([4]), done.release, "the last of round 2", here=True)
-        assert not done.acquire(timeout=0.2)
+        applied: list[int] = []
+        with pytest.raises(CommError, match="Connection reset by peer"):
+            c.submit(4, np.array([4]), lambda: applied.append(4), "the last of round 2",
+                     here=True)
+        assert not applied
         assert errors == [c.failed] and c.failed == (
             "the recorder allreduce of the last of round 2 failed: Connection reset by peer")
     finally:
@@ -328,7 +339,10 @@ def test_a_last_op_waiting_for_its_turn_gives_up_with_the_cause():
         while c.failed is None and time.monotonic() < deadline:
             time.sleep(0.01)
         assert "op 0 failed" in (c.failed or "")
-        c.submit(1, np.full(100, 1), lambda: None, "the last", here=True)
+        t = time.monotonic()
+        with pytest.raises(CommError, match="op 0 failed"):
+            c.submit(1, np.full(100, 1), lambda: None, "the last", here=True)
+        assert time.monotonic() - t < 0.9
         assert c.backend.order == []  # nothing issued after the failure
     finally:
         _StuckRecorder.release.clear()

@@ -195,18 +195,18 @@ class Collective:
     def submit(self, seq: int, vec: Any, done: Callable[[], None], what: str,
                here: bool = False, abort: Callable[[], None] | None = None) -> None:
         """Allreduce ``vec`` in place as operation ``seq`` of the job's one order (0, 1, 2,
-        ...); ``done()`` once complete (on an engine's thread, or on this one). A blocking
-        engine's ops go to the engine thread, but a small one is summed here when it is its
-        turn and that thread is idle, and one submitted ``here`` waits here for its turn and
-        is summed here, whatever its size (the round's last: its caller waits for it anyway);
-        another engine's are issued here when it is their turn (a thread hand-off at every
-        release costs a scheduling delay where the cores are busy with backward), else by
-        the op before them, and one submitted ``here`` and issued here is waited for here.
-        ``abort`` raises the job's error while ``here`` waits."""
+        ...); ``done()`` once complete (on an engine's thread, or on this one). One submitted
+        ``here`` (the round's last: its caller waits for it anyway) waits here for its turn,
+        is issued and waited for here, and is complete when this returns, on any engine. Else
+        a blocking engine's op goes to the engine thread, but a small one is summed here when
+        it is its turn and that thread is idle; another engine's is issued here when it is
+        its turn (a thread hand-off at every release costs a scheduling delay where the cores
+        are busy with backward), else by the op before it. ``abort`` raises the job's error
+        while ``here`` waits."""
+        if here:
+            self._take_here(seq, vec, done, what, abort)
+            return
         if self.backend_class.blocking:
-            if here:
-                self._take_here(seq, vec, done, what, abort)
-                return
             if vec.nbytes <= self.backend_class.inline_bytes and self._order.acquire(False):
                 try:  # its turn: every op before it is issued, and so complete
                     if self._next == seq:
@@ -217,24 +217,24 @@ class Collective:
             self._calls.put(("op", seq, vec, done, what))
             return
         with self._order:
-            mine = self._take(seq, vec, done, what, here)
-        if mine is not None:
-            self._finish_here(*mine, what)
+            self._take(seq, vec, done, what)
 
     def _take_here(self, seq: int, vec: Any, done: Callable[[], None], what: str,
                    abort: Callable[[], None] | None) -> None:
-        """A blocking engine's op ``seq`` issued on this thread once every op before it is
-        complete: its turn comes when the engine thread issues the op before it (which says
-        so), and the op is complete when that thread lets go of the order. Each wait is
-        bounded: by the job's timeout, and by ``abort`` (which raises the job's error)."""
-        deadline = time.monotonic() + self.timeout
+        """Op ``seq`` issued on this thread in its turn, and waited for here: its turn comes
+        when the thread that issues the op before it says so (a blocking engine's op before
+        it is complete by then, as it is when that thread lets go of the order). Each wait is
+        bounded: by the job's timeout, and by ``abort`` (which raises the job's error); a
+        failure of the engine raises here."""
+        deadline = None
+        mine = None
         while True:
             if self._next == seq or self.failed is not None:
                 if self._order.acquire(timeout=0.5):
                     try:
                         if self._next == seq or self.failed is not None:
-                            self._take(seq, vec, done, what)
-                            return
+                            mine = self._take(seq, vec, done, what, True)
+                            break
                     finally:
                         self._order.release()
                     continue
@@ -244,9 +244,17 @@ class Collective:
                     self._advanced.wait(0.5)
             if abort is not None:
                 abort()
-            if time.monotonic() > deadline:
+            if deadline is None:  # (not before it waits: a clock read less in its turn)
+                deadline = time.monotonic() + self.timeout
+            elif time.monotonic() > deadline:
                 raise EngineError(f"{self.name}: {what} waited {self.timeout:g} s for the "
                                   "allreduces before it")
+        if mine is not None:
+            self._finish_here(*mine, what)
+        if self.failed is not None:
+            if abort is not None:
+                abort()  # the job's error, where the engine's failure made one
+            raise CommError(self.failed)
 
     def _take(self, seq: int, vec: Any, done: Callable[[], None], what: str,
               here: bool = False) -> tuple[Any, Callable[[], None]] | None:
@@ -292,7 +300,8 @@ class Collective:
         the bare call's does: no report on the engine's thread, no event between threads.
         A failure is the job's (the caller's wait raises it)."""
         try:
-            self.backend.finish(handle)
+            if not self.backend_class.blocking:  # a blocking engine's op is complete
+                self.backend.finish(handle)
         except Exception as e:
             self._fail(what, e)
             return

@@ -65,9 +65,13 @@ class CommStats:
         with self._lock:
             self._wait[layer] += seconds
 
-    def add_round(self, layer: int, rnd: int, released: float, applied: float) -> None:
-        """A worker finished round ``rnd`` of ``layer`` (released -> update applied)."""
+    def add_round(self, layer: int, rnd: int, released: float, applied: float,
+                  waited: float = 0.0) -> None:
+        """A worker finished round ``rnd`` of ``layer`` (released -> update applied), and the
+        training thread ``waited`` that long for it (a round summed at its release)."""
         with self._lock:
+            if waited:
+                self._wait[layer] += waited
             if rnd >= self._folded_below:
                 self._intervals[rnd].append((layer, released, applied))
             else:  # a round already folded: its interval alone
@@ -170,5 +174,5 @@ def _overlap(intervals: list[tuple[int, float, float]]) -> tuple[float, float]:
     return total, hidden
 
 
-def now() -> float:
-    return time.perf_counter()
+#: the counters' clock (the function itself: a wrapper is one more call in every round)
+now = time.perf_counter

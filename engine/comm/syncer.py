@@ -21,7 +21,7 @@ import logging
 import math
 import queue
 import threading
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -39,8 +39,8 @@ from .schemes import SCHEMES, Finished, Scheme
 from .chunks import DEFAULT_CHUNK_BYTES
 from .stats import CommStats, now
 from .topology import Topology
-from .transport import (COPY_BELOW_BYTES, HEADER_BYTES, HEADER_BYTES_PER_CHUNK, SHARD, WORKER,
-                        Endpoint, Message, PeerId, header, message_key)
+from .transport import (COPY_BELOW_BYTES, SHARD, WORKER, Endpoint, Message, PeerId, header,
+                        message_key)
 from .units import LayerSlot, ParamSlot, Unit
 
 log = logging.getLogger("poseidon.comm")
@@ -51,7 +51,7 @@ REQUEST_BITS = {"snapshot": pb.REQUEST_SNAPSHOT, "stop": pb.REQUEST_STOP,
                 "leave": pb.REQUEST_LEAVE}
 _SIGNAL_BITS = pb.REQUEST_SNAPSHOT | pb.REQUEST_STOP | pb.REQUEST_LEAVE
 
-__all__ = ["LayerSlot", "ParamSlot", "Syncer", "open_worker", "frame_limit", "REQUEST_BITS"]
+__all__ = ["LayerSlot", "ParamSlot", "Syncer", "open_worker", "REQUEST_BITS"]
 
 
 def open_worker(rank: int, hosts: Sequence[HostEntry], *, key: bytes, timeout: float = 30.0,
@@ -66,24 +66,6 @@ def open_worker(rank: int, hosts: Sequence[HostEntry], *, key: bytes, timeout: f
     return Endpoint((WORKER, rank), hosts, peers, key=key, timeout=timeout, stats=stats,
                     startup=startup, snapshot_hint=snapshot_hint,
                     max_frame_bytes=max_frame_bytes)
-
-
-def frame_limit(slots: Mapping[int, LayerSlot], world: int,
-                chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    """The largest frame a process of this job may send, whatever the plan: a PS chunk, a ring
-    or local sub-chunk (at most ``chunk_bytes`` and one value), every worker's factors of a
-    layer (SFB's leaders hand them down), or a header (LAYOUT lists every chunk).
-    ZMQ_MAXMSGSIZE."""
-    biggest = chunk_bytes + 8
-    chunks = 0
-    for s in slots.values():
-        nbytes = s.count * 8
-        # values, a codec's index, and its whole vector (sparse's dense rounds)
-        chunks += 3 * (math.ceil(nbytes / chunk_bytes) + world)
-        if s.factor_shape is not None:
-            k, m, n = s.factor_shape
-            biggest = max(biggest, 8 * world * k * max(m, n))
-    return max(biggest, HEADER_BYTES + HEADER_BYTES_PER_CHUNK * chunks)
 
 
 class Syncer:
@@ -149,7 +131,11 @@ class Syncer:
         #: (unit, round) -> (started, released): for the timeout and the overlap counters
         self._outstanding: dict[tuple[int, int], tuple[float, float]] = {}
         self._watched = now()
-        self._cond = threading.Condition()
+        #: the counts above; taken directly (Condition's with-statement is a Python call each
+        #: way, in every release); ``_cond`` for the threads in ``wait`` (``_sleepers``)
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._sleepers = 0
         self._seq = itertools.count()
         self._send_q: queue.PriorityQueue = queue.PriorityQueue()
         #: messages queued for the sender thread and not yet sent (under ``_unsent_lock``)
@@ -226,9 +212,10 @@ class Syncer:
         unit = self._unit_of.get(layer)
         if unit is None:
             return
-        self.raise_if_failed()
+        if self.ep.error is not None:
+            self.raise_if_failed()
         t = now()
-        with self._cond:
+        with self._lock:
             rnd = self._released[layer]
             self._released[layer] += 1
             request = self._request_out
@@ -244,8 +231,7 @@ class Syncer:
             captured = self._schemes[unit.scheme].capture(unit, rnd, pend[1])
             if isinstance(captured, Finished):  # summed on this thread: applied here
                 # this thread waited on the sum, as it would have in ``wait``
-                self.stats.add_wait(unit.id, now() - t)
-                self.done(unit, rnd, captured.bits, released=pend[2])
+                self.done(unit, rnd, captured.bits, pend[2], now() - t)
             else:
                 self._events.put(("start", unit, rnd, pend[1], captured, pend[2]))
 
@@ -255,13 +241,16 @@ class Syncer:
             return
         t = now()
         tl = timeline.current
-        start = tl.now()
-        with self._cond:
+        start = tl.now() if tl.active else 0.0
+        with self._lock:
             blocked = self._applied[layer] < self._released[layer]
             while self._applied[layer] < self._released[layer]:
                 self.raise_if_failed()
+                self._sleepers += 1
                 self._cond.wait(0.5)
-        self.raise_if_failed()
+                self._sleepers -= 1
+        if self.ep.error is not None:
+            self.raise_if_failed()
         if blocked:
             self.stats.add_wait(self._unit_of[layer].id, now() - t)
         if tl.active:
@@ -273,7 +262,7 @@ class Syncer:
 
     def rounds_applied(self) -> int:
         """Rounds every layer has applied (the iteration counter runs one ahead meanwhile)."""
-        with self._cond:
+        with self._lock:
             return min(self._applied.values(), default=0)
 
     def request(self, action: str) -> None:
@@ -288,7 +277,7 @@ class Syncer:
         'leave'). Called at an iteration boundary, after this worker released round R-1: rounds
         before R-1 are complete on every worker (each of their layers was waited for in the
         last forward), so every worker gets the same answer at the same iteration."""
-        with self._cond:
+        with self._lock:
             complete = min(self._released.values(), default=0) - 1
             bits = 0
             for rnd in range(self._requests_taken, complete):
@@ -380,15 +369,16 @@ class Syncer:
         """Run ``fn`` on the progress thread (from any thread)."""
         self._events.put(fn)
 
-    def done(self, unit: Unit, rnd: int, bits: int, released: float | None = None) -> None:
+    def done(self, unit: Unit, rnd: int, bits: int, released: float | None = None,
+             waited: float = 0.0) -> None:
         """``unit``'s summed gradient of round ``rnd`` is in its diffs: apply (progress thread;
         the training thread for a round its scheme ``Finished`` at release, which says when
-        it was ``released``: it was never outstanding)."""
+        it was ``released``, it was never outstanding, and how long that thread ``waited``)."""
         if released is None:
             _, released = self._outstanding.pop((unit.id, rnd), (0.0, now()))
         apply = self.codec.after_round(unit.id, bits) if SCHEMES[unit.scheme].dense else True
         tl = timeline.current
-        start = tl.now()
+        start = tl.now() if tl.active else 0.0
         if apply:
             for slot in unit.layers:
                 self.update_layer(slot.layer)
@@ -399,15 +389,16 @@ class Syncer:
                         "%g", self.ep.name, unit.name, rnd, getattr(self.codec, "scale")(unit.id))
         if tl.active:
             tl.complete(f"update {unit.name}", "update", start, {"round": rnd})
-        with self._cond:
+        with self._lock:
             request = bits & _SIGNAL_BITS
             if request:
                 self._round_requests[rnd] = self._round_requests.get(rnd, 0) | request
             for slot in unit.layers:
                 self._applied[slot.layer] += 1
             self._rounds_done[unit.id] += 1
-            self._cond.notify_all()
-        self.stats.add_round(unit.id, rnd, released, now())
+            if self._sleepers:  # (a notify is two Python calls, in every round)
+                self._cond.notify_all()
+        self.stats.add_round(unit.id, rnd, released, now(), waited)
         if unit.id == self._last_layer and self.on_round_done is not None:  # (the lowest)
             self.on_round_done(rnd)
 
@@ -420,7 +411,7 @@ class Syncer:
             raise CommError(self.ep.error)
 
     def _wake(self, _reason: str) -> None:
-        with self._cond:
+        with self._lock:
             self._cond.notify_all()
 
     def _guard(self, loop: Callable[[], None]) -> None:

@@ -167,8 +167,15 @@ def _references(blob: Any) -> int:
 
 def lies_at(diff: Any, vec: np.ndarray, offset: int = 0) -> bool:
     """Whether ``diff`` is the C-contiguous NumPy view of ``vec`` from element ``offset``."""
-    return isinstance(diff, np.ndarray) and diff.flags.c_contiguous and \
-        address(diff) == address(vec) + offset * vec.itemsize
+    if not (isinstance(diff, np.ndarray) and diff.flags.c_contiguous):
+        return False
+    try:  # ``address``'s way, inlined: a round asks this of its diffs (each call counts cold)
+        return _addressof(_c_char(diff)) == _addressof(_c_char(vec)) + offset * vec.itemsize
+    except (TypeError, ValueError, BufferError):
+        return address(diff) == address(vec) + offset * vec.itemsize
+
+
+_addressof, _c_char = ctypes.addressof, ctypes.c_char.from_buffer
 
 
 def address(a: np.ndarray) -> int:
@@ -177,7 +184,7 @@ def address(a: np.ndarray) -> int:
     and tens once cold, and a round asks it of a fresh view of a diff (``gather``'s) each time.
     An array that lends no simple writable buffer (read-only, strided, empty) says it so."""
     try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(a))
+        return _addressof(_c_char(a))
     except (TypeError, ValueError, BufferError):
         return a.__array_interface__["data"][0]
 

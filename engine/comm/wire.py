@@ -9,18 +9,21 @@ every piece verified (engine/comm/pieces.py). The ``Parser`` then checks the str
 senders, sizes: Python ints, every size capped) and hands the content to the owner's
 ``checker`` (layer, chunk, round, dtype, shape). It takes any frames with ``bytes`` and
 ``buffer`` (ZeroMQ's, or a test's), so it can be fuzzed without sockets
-(tests/test_fuzz.py); the transport (engine/comm/transport.py) moves the frames.
+(tests/test_fuzz.py); the transport (engine/comm/transport.py) moves the frames, no larger
+than ``frame_limit`` says a job's may be.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
 from engine.pb import poseidon_pb2 as pb
 
 from .auth import Piece, Verifier
+from .chunks import DEFAULT_CHUNK_BYTES
 from .pieces import Assembly
 from .stages import StageClock
 
@@ -242,3 +245,21 @@ def arrays_are(msg: "Message", want: list[tuple[tuple[int, ...], str]]) -> str |
     """None when ``msg``'s arrays have exactly these (shape, dtype) pairs, else why not."""
     got = [(a.shape, a.dtype.str) for a in msg.arrays]
     return None if got == want else f"unit {msg.header.layer}: arrays {got}, expected {want}"
+
+
+def frame_limit(slots: Mapping[int, Any], world: int,
+                chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """The largest frame a process of this job may send, whatever the plan: a PS chunk, a ring
+    or local sub-chunk (at most ``chunk_bytes`` and one value), every worker's factors of a
+    layer (SFB's leaders hand them down), or a header (LAYOUT lists every chunk).
+    ZMQ_MAXMSGSIZE."""
+    biggest = chunk_bytes + 8
+    chunks = 0
+    for s in slots.values():
+        nbytes = s.count * 8
+        # values, a codec's index, and its whole vector (sparse's dense rounds)
+        chunks += 3 * (math.ceil(nbytes / chunk_bytes) + world)
+        if s.factor_shape is not None:
+            k, m, n = s.factor_shape
+            biggest = max(biggest, 8 * world * k * max(m, n))
+    return max(biggest, HEADER_BYTES + HEADER_BYTES_PER_CHUNK * chunks)

@@ -146,7 +146,8 @@ def layer_syncer(scheme: str, nbytes: int, rank: int, world: int, base: int,
     """One layer of ``nbytes`` synchronised by ``scheme`` among ``world`` local workers."""
     from engine.comm.cost import LayerInfo
     from engine.comm.planner import PlanOptions, make_plan
-    from engine.comm.syncer import Syncer, frame_limit, open_worker
+    from engine.comm.syncer import Syncer, open_worker
+    from engine.comm.wire import frame_limit
     from engine.comm.units import LayerSlot, ParamSlot
     from poseidon_cli.launch.hostfile import parse_hosts_text
 

@@ -82,7 +82,8 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
     from engine.comm.plan_file import write_plan
     from engine.comm.planner import make_plan, plan_table
     from engine.comm.stats import CommStats
-    from engine.comm.syncer import Syncer, frame_limit, open_worker
+    from engine.comm.syncer import Syncer, open_worker
+    from engine.comm.wire import frame_limit
     from engine.snapshots import describe_os_error
     from engine.solvers import SolverError
 

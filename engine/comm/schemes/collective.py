@@ -67,9 +67,9 @@ SIGNALS_APART_BYTES = 256 << 10
 class _Issued:
     """A unit's round issued at release: its completions (from an engine's thread) and its
     finish (attached on the progress thread); whichever comes last runs the finish on the
-    progress thread. The round's last unit is waited for (``wait``) on the training thread
-    instead, which then applies it."""
-    __slots__ = ("host", "began", "vec", "flags", "_lock", "_left", "_finish", "_all")
+    progress thread. (The round's last unit is summed and applied on the training thread,
+    without one.)"""
+    __slots__ = ("host", "began", "vec", "flags", "_lock", "_left", "_finish")
 
     def __init__(self, host: Any, began: float) -> None:
         self.host, self.began = host, began
@@ -78,37 +78,14 @@ class _Issued:
         self._lock = threading.Lock()
         self._left = 0
         self._finish: Callable[[], None] | None = None
-        #: what ``wait`` blocks on, made only when it must (a blocking engine's round is
-        #: complete before it is waited for)
-        self._all: threading.Event | None = None
 
     def completed(self) -> None:
         """One of the round's ops is complete (any thread)."""
         with self._lock:
             self._left += 1
-            every = self._left == self._ops()
-            ready = self._finish is not None and every
-            waiting = self._all
-        if every and waiting is not None:
-            waiting.set()
+            ready = self._finish is not None and self._left == self._ops()
         if ready:
             self.host.call_soon(self._finish)
-
-    def wait(self, collective: Collective, what: str) -> None:
-        """Block until every op of the round is complete; raise the job's error, the engine's,
-        or, past the job's timeout, that this wait took that long."""
-        with self._lock:
-            if self._left == self._ops():
-                return
-            self._all = waiting = threading.Event()
-        deadline = time.monotonic() + collective.timeout
-        while not waiting.wait(0.5):
-            self.host.raise_if_failed()  # the engine's failure too: it reports it to the job
-            if collective.failed is not None:
-                raise CommError(collective.failed)
-            if time.monotonic() > deadline:
-                raise EngineError(f"{collective.name}: {what} was not summed within "
-                                  f"{collective.timeout:g} s")
 
     def attach(self, finish: Callable[[], None]) -> None:
         """The progress thread's finish; run at once when every op is complete already."""
@@ -125,6 +102,10 @@ class _Issued:
 
     def _ops(self) -> int:
         return 1 if self.flags is None else 2
+
+
+def _nothing() -> None:
+    """The completion of an op its submitter waits for (``submit``'s ``here``)."""
 
 
 class CollectiveScheme(DenseScheme):
@@ -199,31 +180,33 @@ class CollectiveScheme(DenseScheme):
         the host first and issued from the progress thread (``start``). The round's last
         unit (the signal unit: backward is over, and the next forward needs it first) is
         waited for and applied here, without a hand-off to the progress thread and back."""
-        staged = super().capture(unit, rnd, bits)
+        staged = self._staging.begin(unit)  # DenseScheme's capture, one call less
         if staged is not None:
             return staged
         vec = self._host_vector(unit)
-        issued = _Issued(self.host, time.perf_counter())
-        last = unit.id == self.signal_unit
-        issued.vec, issued.flags = self._issue(unit, rnd, vec, bits, issued.completed, last)
-        if last:
-            issued.wait(self.collective, f"{unit.name} round {rnd}")
+        began = time.perf_counter()
+        if unit.id == self.signal_unit:
+            vec, flags = self._issue(unit, rnd, vec, bits, _nothing, True)
+            return Finished(self._summed(unit, began, vec, flags))
+        issued = _Issued(self.host, began)
+        issued.vec, issued.flags = self._issue(unit, rnd, vec, bits, issued.completed)
         if issued.complete():  # summed on this thread: the syncer applies it here too
-            return Finished(self._summed(unit, issued))
+            return Finished(self._summed(unit, began, issued.vec, issued.flags))
         return issued
 
     def start(self, unit: Unit, rnd: int, bits: int, captured: Any) -> None:
         if not isinstance(captured, _Issued):  # staged from a GPU: issued from here
             super().start(unit, rnd, bits, captured)
             return
-        captured.attach(lambda: self.host.done(unit, rnd, self._summed(unit, captured)))
+        captured.attach(lambda: self.host.done(unit, rnd, self._summed(
+            unit, captured.began, captured.vec, captured.flags)))
 
-    def _summed(self, unit: Unit, issued: _Issued) -> int:
+    def _summed(self, unit: Unit, began: float, vec: Any, flags: Any) -> int:
         """The summed round into the unit's diffs; the signal bits every worker raised."""
         if self.spans is not None:
-            self.spans.append(time.perf_counter() - issued.began)
-        agreed = self._agreed(unit, issued.vec, issued.flags)
-        scatter_sum(unit, issued.vec)
+            self.spans.append(time.perf_counter() - began)
+        agreed = self._agreed(unit, vec, flags)
+        scatter_sum(unit, vec)
         return agreed
 
     def sum_vector(self, unit: Unit, rnd: int, phase: int, vec: Any, bits: int,
