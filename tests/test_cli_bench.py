@@ -213,6 +213,22 @@ def test_bench_train_starts_a_run_once_the_last_ones_memory_is_freed(monkeypatch
     assert bench_train.settle() == bench_train.SETTLE_S
 
 
+@pytest.mark.parametrize("n", [1, 2, 4, 5, 10])
+def test_bench_train_orders_its_repeats_so_no_run_keeps_its_predecessor(n):
+    """Each peer right after every other one equally often (a balanced Latin square): once in
+    n repeats, twice in 2n for an odd n; and every repeat runs every peer once."""
+    from collections import Counter
+
+    from poseidon_cli.benches.alternation import order
+    peers = [f"p{i}" for i in range(n)]
+    rows = [order(peers, k) for k in range(n if n % 2 == 0 else 2 * n)]
+    assert all(sorted(r) == peers for r in rows)
+    pairs = Counter((r[i - 1], r[i]) for r in rows for i in range(1, n))
+    want = 1 if n % 2 == 0 else 2
+    assert pairs == Counter({(a, b): want for a in peers for b in peers if a != b})
+    assert order([], 3) == []
+
+
 def test_bench_train_poseidon_side(monkeypatch, tmp_path):
     from poseidon_cli.benches import time as bench_time
     from poseidon_cli.benches import train as bench_train

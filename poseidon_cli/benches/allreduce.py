@@ -8,10 +8,10 @@ that size to its sum in the diffs, through the progress thread and, for an engin
 and wait threads; the mean is the solver update's, folded into the pass it makes anyway),
 and, beside them, the engines called bare: torch.distributed's all_reduce on a Gloo process
 group and mpi4py's Allreduce on MPI_COMM_WORLD, as a user's script would. Each repeat runs
-every peer once, each after a barrier, in an order rotated at every repeat (a peer runs
-slower after one whose threads are still winding down, gloo's say: none always follows the
-same one); a repeat's time is the slowest rank's (a collective ends when its slowest rank
-does), and the row gives the median over the repeats. A scheme is timed twice over: from the
+every peer once, each after a barrier, in an order of its own (``alternation.order``: a
+peer runs slower after one whose threads are still winding down, gloo's say, and so each
+follows every other one alike); a repeat's time is the slowest rank's (a collective ends
+when its slowest rank does), and the row gives the median over the repeats. A scheme is timed twice over: from the
 release of its layer to the sum in its diffs (what training waits for before the update: the
 hand-offs to the progress thread and back, the gathered vector), and its sum alone
 ("<scheme>: sum": from the gathered vector to the summed one, which for an engine is its
@@ -169,6 +169,8 @@ def layer_syncer(scheme: str, nbytes: int, rank: int, world: int, base: int,
 def child(config_path: str, rank_arg: str | None) -> None:
     from engine.comm.auth import job_key
 
+    from .alternation import order
+
     cfg = json.loads(Path(config_path).read_text())
     world, peers = cfg["world"], cfg["peers"]
     rank = int(os.environ["PMI_RANK"]) if rank_arg is None else int(rank_arg)
@@ -206,7 +208,7 @@ def child(config_path: str, rank_arg: str | None) -> None:
         for s in spans.values():
             s.clear()
         for i in range(cfg["repeats"][k]):
-            for peer in peers[i % len(peers):] + peers[:i % len(peers)]:
+            for peer in order(peers, i):
                 row[peer].append(once(peer))
         for s in syncers:
             row[f"{s}: sum"] = spans[s]

@@ -340,10 +340,13 @@ def run(workers: list[int], comms: list[str], iters: int, work: Path, with_ddp: 
         say: Callable[[str], None] = print, nets: tuple[str, ...] = ("fc",),
         repeats: int = 1, bits_per_s: float | None = None,
         common: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Every (net, P) runs DDP and each scheme ``repeats`` times, alternating; the rates are
-    the medians of the repeats. With ``bits_per_s`` every worker of both runs in a network
-    namespace of its own, its link shaped to that rate each way."""
+    """Every (net, P) runs DDP and each scheme ``repeats`` times, alternating, each repeat in
+    an order of its own (``order``); the rates are the medians of the repeats. With
+    ``bits_per_s`` every worker of both runs in a network namespace of its own, its link
+    shaped to that rate each way."""
     from engine.data.converters import convert_digits
+
+    from .alternation import order
 
     convert_digits(work / "digits")
     db = work / "digits" / "digits_train_lmdb"
@@ -353,14 +356,13 @@ def run(workers: list[int], comms: list[str], iters: int, work: Path, with_ddp: 
     for net in nets:
         for n in workers:
             runs: dict[str, list[dict[str, Any]]] = {}
-            for k in range(repeats):  # alternate: DDP, then each scheme, then again
-                if with_ddp:
-                    runs.setdefault("ddp", []).append(
-                        _settled(run_ddp, db, n, iters, net, bits_per_s))
-                for comm in (comms if n > 1 else ["-"]):
-                    runs.setdefault(comm, []).append(_settled(
-                        run_poseidon, work / f"r{k}", db, n, comm, iters, net, bits_per_s,
-                        common))
+            peers = (["ddp"] if with_ddp else []) + (comms if n > 1 else ["-"])
+            for k in range(repeats):
+                for peer in order(peers, k):
+                    runs.setdefault(peer, []).append(
+                        _settled(run_ddp, db, n, iters, net, bits_per_s) if peer == "ddp"
+                        else _settled(run_poseidon, work / f"r{k}", db, n, peer, iters, net,
+                                      bits_per_s, common))
             ddp = _median_run(runs["ddp"]) if with_ddp else None
             if ddp:
                 results["ddp"].append(ddp)
