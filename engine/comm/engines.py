@@ -298,7 +298,7 @@ class Collective:
         """Wait on this thread for an op issued here (after the order's lock: ops of other
         threads go on meanwhile). The engine's completion then wakes only this thread, as
         the bare call's does: no report on the engine's thread, no event between threads.
-        A failure is the job's (the caller's wait raises it)."""
+        A failure is the job's (``_take_here`` raises it)."""
         try:
             if not self.backend_class.blocking:  # a blocking engine's op is complete
                 self.backend.finish(handle)
