@@ -226,7 +226,7 @@ class Collective:
         it is complete by then, as it is when that thread lets go of the order). Each wait is
         bounded: by the job's timeout, and by ``abort`` (which raises the job's error); a
         failure of the engine raises here."""
-        deadline = None
+        deadline = time.monotonic() + self.timeout
         mine = None
         while True:
             if self._next == seq or self.failed is not None:
@@ -244,9 +244,7 @@ class Collective:
                     self._advanced.wait(0.5)
             if abort is not None:
                 abort()
-            if deadline is None:  # (not before it waits: a clock read less in its turn)
-                deadline = time.monotonic() + self.timeout
-            elif time.monotonic() > deadline:
+            if time.monotonic() > deadline:
                 raise EngineError(f"{self.name}: {what} waited {self.timeout:g} s for the "
                                   "allreduces before it")
         if mine is not None:

@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-
 from .units import Unit
 
 

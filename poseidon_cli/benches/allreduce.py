@@ -11,12 +11,12 @@ group and mpi4py's Allreduce on MPI_COMM_WORLD, as a user's script would. Each r
 every peer once, each after a barrier, in an order of its own (``alternation.order``: a
 peer runs slower after one whose threads are still winding down, gloo's say, and so each
 follows every other one alike); a repeat's time is the slowest rank's (a collective ends
-when its slowest rank does), and the row gives the median over the repeats. A scheme is timed twice over: from the
-release of its layer to the sum in its diffs (what training waits for before the update: the
-hand-offs to the progress thread and back, the gathered vector), and its sum alone
-("<scheme>: sum": from the gathered vector to the summed one, which for an engine is its
-engine thread, the engine and the completion posted back). Every process runs with one BLAS
-thread.
+when its slowest rank does), and the row gives the median over the repeats. A scheme is
+timed twice over: from the release of its layer to the sum in its diffs (what training waits
+for before the update: the hand-offs to the progress thread and back, the gathered vector),
+and its sum alone ("<scheme>: sum": from the gathered vector to the summed one, which for an
+engine is its engine thread, the engine and the completion posted back). Every process runs
+with one BLAS thread.
 """
 from __future__ import annotations
 

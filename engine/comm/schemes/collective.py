@@ -180,7 +180,7 @@ class CollectiveScheme(DenseScheme):
         the host first and issued from the progress thread (``start``). The round's last
         unit (the signal unit: backward is over, and the next forward needs it first) is
         waited for and applied here, without a hand-off to the progress thread and back."""
-        staged = self._staging.begin(unit)  # DenseScheme's capture, one call less
+        staged = super().capture(unit, rnd, bits)
         if staged is not None:
             return staged
         vec = self._host_vector(unit)
