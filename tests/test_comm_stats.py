@@ -64,3 +64,25 @@ def test_a_round_reported_late_is_counted_once() -> None:
     s = stats.summary()
     assert s["iterations"] == 50
     assert s["comm_s_per_iter"] * 50 >= _expected([e for e in events if e not in late])[1]
+
+
+def test_an_engines_bytes_are_counted_from_its_rounds_beside_the_wires_messages() -> None:
+    """A collective engine says once what its allreduce moves a round; every round it
+    completes counts those bytes and one message each way, and a layer's own messages on
+    Poseidon's wire are added beside them."""
+    stats = CommStats()
+    stats.count_allreduce(4, "mpi", 3000)
+    stats.add_bytes(1, "ps", True, 10, True)
+    for rnd in range(5):
+        stats.add_round(4, rnd, float(rnd), rnd + 0.5)
+        stats.add_round(1, rnd, float(rnd), rnd + 0.5)
+    rows = {row["scheme"]: row for row in stats.summary()["layers"]}
+    assert rows["mpi"]["rounds"] == 5
+    for key in ("net_sent_per_iter", "net_recv_per_iter", "all_sent_per_iter",
+                "all_recv_per_iter"):
+        assert rows["mpi"][key] == 3000
+    assert rows["mpi"]["messages_sent_per_iter"] == rows["mpi"]["messages_recv_per_iter"] == 1
+    assert rows["ps"]["all_sent_per_iter"] == 2 and rows["ps"]["all_recv_per_iter"] == 0
+    stats.add_round(4, 5, 5.0, 5.5)  # a sixth round: counted, the per-round figure holds
+    rows = {row["scheme"]: row for row in stats.summary()["layers"]}
+    assert rows["mpi"]["rounds"] == 6 and rows["mpi"]["all_sent_per_iter"] == 3000

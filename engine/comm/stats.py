@@ -28,6 +28,8 @@ class CommStats:
         self._lock = threading.Lock()
         # (layer, scheme) -> [sent_net, recv_net, sent_all, recv_all, messages sent, received]
         self._bytes: dict[tuple[int, str], list[int]] = defaultdict(lambda: [0] * 6)
+        #: (layer, scheme) -> the bytes an engine's allreduce moves each way every round
+        self._per_round: dict[tuple[int, str], int] = {}
         self._wait: dict[int, float] = defaultdict(float)
         #: round -> (layer, released, applied) of the rounds not yet folded into the totals
         self._intervals: dict[int, list[tuple[int, float, float]]] = defaultdict(list)
@@ -49,17 +51,13 @@ class CommStats:
             if network:
                 row[0 if sent else 1] += nbytes
 
-    def add_allreduce(self, layer: int, scheme: str, nbytes: int) -> None:
-        """A collective engine's allreduce, counted as one message of ``nbytes`` each way,
-        across the network (what a ring moves per worker)."""
+    def count_allreduce(self, layer: int, scheme: str, nbytes: int) -> None:
+        """A collective engine sums ``layer``'s vector every round, moving ``nbytes`` each way
+        per worker across the network (what a ring moves): one message each way a round,
+        counted from the rounds ``add_round`` notes (a small allreduce's round pays for each
+        operation of its own bookkeeping)."""
         with self._lock:
-            row = self._bytes[(layer, scheme)]
-            row[0] += nbytes
-            row[1] += nbytes
-            row[2] += nbytes
-            row[3] += nbytes
-            row[4] += 1
-            row[5] += 1
+            self._per_round[(layer, scheme)] = nbytes
 
     def add_wait(self, layer: int, seconds: float) -> None:
         with self._lock:
@@ -108,7 +106,12 @@ class CommStats:
         """Per-layer bytes per round (network and all), wait seconds, and the hidden fraction."""
         with self._lock:
             layers = []
-            for (layer, scheme), (sn, rn, sa, ra, ms, mr) in sorted(self._bytes.items()):
+            rows = {key: list(row) for key, row in self._bytes.items()}
+            for key, nbytes in self._per_round.items():  # one message each way a round
+                done = self._rounds.get(key[0], 0)
+                row = rows.setdefault(key, [0] * 6)
+                rows[key] = [v + done * n for v, n in zip(row, (nbytes,) * 4 + (1, 1))]
+            for (layer, scheme), (sn, rn, sa, ra, ms, mr) in sorted(rows.items()):
                 n = max(self._rounds.get(layer, 0), 1)
                 layers.append({"layer": layer, "name": self.layer_names.get(layer, str(layer)),
                                "scheme": scheme, "rounds": self._rounds.get(layer, 0),

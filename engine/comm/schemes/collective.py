@@ -151,6 +151,11 @@ class CollectiveScheme(DenseScheme):
                 self._buffers.pop(u.id, None)
             elif buf is None:  # a GPU's, staged: copied in behind
                 self._buffers[u.id] = np.empty(u.count + len(SIGNAL_BITS), dtype)
+        world = host.world
+        for u in self.units.values():
+            itemsize = np.dtype(u.params[0].blob.diff.dtype).itemsize
+            host.ep.stats.count_allreduce(u.id, self.name,
+                                          int(2 * (world - 1) / world * u.count * itemsize))
         #: where the signal values lie behind a host signal unit's gradients
         self._signal_tail: memoryview | None = None
         if self.signal_unit is not None and not self._signals_apart:
@@ -242,9 +247,6 @@ class CollectiveScheme(DenseScheme):
                 self._signal_tail[:] = self._signal_rows[bits & _SIGNAL_MASK]
                 vec = buf
         first = rnd * self._ops_per_round
-        moved = int(2 * (self.host.world - 1) / self.host.world * unit.count
-                    * vec.dtype.itemsize)
-        self.host.ep.stats.add_allreduce(unit.id, self.name, moved)
         abort = self.host.raise_if_failed if here else None
         self.collective.submit(first + self._position[unit.id], vec, done,
                                f"{unit.name} round {rnd}", here, abort)
