@@ -204,3 +204,53 @@ def test_a_layer_given_by_name_keeps_its_scheme_and_mpi_then_carries_none():
     plans = plan_layers(ENGINE_NET, 2, comm="auto,ip1=sfb", link=SLOW, engines=(
         EngineCost("mpi", "v1", "ring", Link(1e-5, 2e-8, "a probe")),))
     assert [p.scheme for p in plans][1] == "sfb" and "mpi" not in {p.scheme for p in plans}
+
+
+def _bench_fc_net() -> list[LayerInfo]:
+    """bench train's FC-heavy net (poseidon_cli/benches/train.py), batch 32 per worker."""
+    return [LayerInfo(1, "conv1", [(20, 1, 3, 3), (20,)]),
+            LayerInfo(3, "ip1", [(1024, 1280), (1024,)], factors=(32, 1024, 1280)),
+            LayerInfo(5, "ip2", [(10, 1024), (10,)], factors=(32, 10, 1024))]
+
+
+def test_a_crowded_machine_prices_each_messages_cpu_as_compute_taken_from_its_workers():
+    """More workers than cores: a message's overhead at each end (the link's, probed) times
+    the workers per core is added to every scheme of Poseidon's transport, by its messages a
+    round; with cores to spare nothing is. On the FC-heavy bench net through 1 Gbit/s
+    (4 workers, 2 cores: measured, ip2 ran 0.95 as fast on hd as on PS, the plan that priced
+    hd cheaper on the wire alone), ip2 moves from hd to PS; the engines' own messages are
+    not Poseidon's to price."""
+    from engine.comm.engines import EngineCost
+
+    link = Link(140e-6, 8e-9 / 1.17, "probed", overhead_s=80e-6)
+    device = Device("cpu", update_bytes_per_s=8e9, gemm_flops_per_s=50e9, add_bytes_per_s=8e9,
+                    update_on_device=False)
+    engines = (EngineCost("gloo", "torch", "ring", Link(300e-6, 8e-9, "gloo probe")),)
+    free = plan_layers(_bench_fc_net(), 4, "auto", link=link, device=device, engines=engines)
+    crowded = plan_layers(_bench_fc_net(), 4, "auto", link=link, device=device,
+                          engines=engines, crowding=2.0)
+    for f, c in zip(free, crowded):
+        for name, t in c.timings.items():
+            base = f.timings[name]
+            assert base.cpu_s == 0.0
+            assert t.cpu_s == pytest.approx(2.0 * 80e-6 * t.messages)
+            assert t.total_s == pytest.approx(base.total_s + t.cpu_s)
+        assert c.timings["gloo"].messages == 0 and c.timings["gloo"].cpu_s == 0
+    assert {p.info.name: p.scheme for p in free}["ip2"] == "hd"
+    assert {p.info.name: p.scheme for p in crowded} == {"conv1": "ps", "ip1": "sfb",
+                                                         "ip2": "ps"}
+    # one worker a core, or a link with no overhead probed: priced as before
+    for same in (plan_layers(_bench_fc_net(), 4, "auto", link=link, device=device,
+                             engines=engines, crowding=1.0),
+                 plan_layers(_bench_fc_net(), 4, "auto", link=Link(140e-6, 8e-9 / 1.17),
+                             device=device, engines=engines, crowding=2.0)):
+        assert all(t.cpu_s == 0 for p in same for t in p.timings.values())
+        assert [p.scheme for p in same] == [p.scheme for p in free]
+
+
+def test_crowding_counts_the_workers_of_ones_own_kernel_per_core():
+    from engine.comm.topology import crowding
+
+    a, b = b"kernel a", b"kernel b"
+    assert crowding(a, 2, [a, a, b, a, a]) == 2.0
+    assert crowding(b, 8, [a, a, b, a, a]) == 0.125

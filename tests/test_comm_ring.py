@@ -15,10 +15,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from engine.comm.cost import LayerInfo
+from engine.comm.cost import Device, LayerInfo
+from engine.comm.link import Link
 from engine.comm.planner import PlanOptions, make_plan
+from engine.comm.schemes import SCHEMES
 from engine.comm.shard import ShardServer
 from engine.comm.syncer import LayerSlot, ParamSlot, Syncer, open_worker
+from engine.comm.topology import usable_cores
 from engine.pb import poseidon_pb2 as pb
 from engine.solvers import normalize
 from tests.test_comm_sync import fc_rebuild
@@ -40,13 +43,14 @@ def grads(rank: int, rnd: int, shapes: dict) -> dict:
 
 def run(world: int, comm: str, rounds: int = 2, chunk_bytes: int = 64, fusion_bytes: int = 0,
         wire: str = "fp32", shapes: dict = SHAPES, make_grads=grads, plan: dict | None = None,
-        hosts=None, factors: dict | None = None, levels: bool = True) -> dict:
+        hosts=None, factors: dict | None = None, levels: bool = True,
+        crowdings: list | None = None) -> dict:
     """Train ``rounds`` rounds of synthetic gradients; per rank: every layer's mean gradient
     per round as the update takes it from the sum (absent: skipped), the byte counters, the
     units, the codec and the agreed plan. ``plan``: more of make_plan's arguments (the sparse codec's);
     ``hosts``: a host table (default: ``world`` machines of one worker on loopback);
     ``factors``: layer -> (K, M, N) for layers whose gradient is uᵀ·v of the generator's
-    factors (SFB)."""
+    factors (SFB); ``crowdings`` gets the crowding rank 0 plans with."""
     hosts = hosts or local_hosts(world)
     factors = factors or {}
     shards = comm in ("ps", "auto", "hybrid", "sfb")
@@ -73,12 +77,16 @@ def run(world: int, comm: str, rounds: int = 2, chunk_bytes: int = 64, fusion_by
                     normalize(d, 1, world)
                 done[layer] += 1
 
+            def planner(link, local_link, engines, crowding):
+                if crowdings is not None:
+                    crowdings.append(crowding)
+                return make_plan(infos, world, PlanOptions(
+                    comm=comm, link=link, chunk_bytes=chunk_bytes, codec=wire,
+                    fusion_bytes=fusion_bytes, **(plan or {})))
+
             ep = open_worker(rank, hosts, key=KEY, timeout=LIVENESS_S, shards=shards)
             sync = Syncer(ep, slots, update, chunk_bytes=chunk_bytes, levels=levels,
-                          planner=lambda link, local_link, engines: make_plan(
-                              infos, world, PlanOptions(
-                                  comm=comm, link=link, chunk_bytes=chunk_bytes, codec=wire,
-                                  fusion_bytes=fusion_bytes, **(plan or {}))))
+                          planner=planner)
             for rnd in range(rounds):
                 for l in shapes:
                     sync.wait(l)
@@ -174,7 +182,6 @@ def test_allreduce_byte_counters(comm, world):
 def test_halving_doubling_takes_two_log_p_steps_where_ring_takes_two_p_minus_two():
     """The point of the scheme: 8 workers, one small layer; every worker sends 2·log2(8) = 6
     messages per round (ring: 14), and the planner prices it at ring's price less 8 latencies."""
-    from engine.comm.link import Link
     from engine.comm.planner import plan_layers
 
     shapes = {0: [(64,)]}
@@ -309,3 +316,25 @@ def test_halving_doubling_checks_sender_step_piece_and_shape():
     assert "arrays" in hd.check(msg(2, 1, 0, 10, np.float64), (0, 1))
     assert "receives no step" in hd.check(msg(2, 9, 0, 10), (0, 1))
     assert "round" in hd.check(msg(2, 1, 0, 10, rnd=5), (0, 1))
+
+
+@pytest.mark.parametrize("comm", ["ring", "hd", "ps"])
+def test_the_planner_counts_the_messages_a_round_sends(comm):
+    """What the planner prices a crowded machine's CPU by (``LayerTiming.messages``: a node's
+    sends and receipts a round) is what a round sends: 4 workers, a 4000-byte layer in
+    256-byte pieces (ring: 6 steps of 4 pieces; hd: hops of 2000 and 1000 bytes, out and back;
+    PS: 16 chunks, each pushed and summed, the shards' half the workers' mirror)."""
+    shapes = {0: [(1000,)]}
+    crowdings: list = []
+    res = run(4, comm, rounds=2, chunk_bytes=256, shapes=shapes, crowdings=crowdings)
+    # four workers of one kernel (threads here): HELLO says so, whatever their addresses
+    assert crowdings == [4 / usable_cores()]
+    counted = []
+    for rank in range(4):
+        [row] = res[rank][1]["layers"]
+        counted.append(row["messages_sent_per_iter"] + row["messages_recv_per_iter"])
+    timing = SCHEMES[comm].timing(LayerInfo(0, "l0", [(1000,)]), 4, Link(1e-4, 1e-9), Device(),
+                                  256, 4)
+    per_worker = timing.messages / 2 if comm == "ps" else timing.messages
+    assert sum(counted) / 4 == per_worker, (counted, timing.messages)
+    assert timing.messages == {"ring": 48, "hd": 48, "ps": 64}[comm]

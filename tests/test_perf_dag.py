@@ -184,12 +184,16 @@ def test_trace_and_link_files_are_checked(tmp_path):
     back = load_trace(tmp_path / "ok.json")
     assert back.layers == t.layers and back.batch == 4 and json.loads(
         (tmp_path / "ok.json").read_text())["version"] == 1
-    link = Link(1e-4, 1e-9, "fitted", unfair=0.2)
+    link = Link(1e-4, 1e-9, "fitted", unfair=0.2, overhead_s=8e-5)
     link.save(tmp_path / "link.json")
     assert load_link(tmp_path / "link.json") == link
     bad.write_text('{"format": "poseidon-link", "version": 1, "alpha_s": 0, '
                    '"beta_s_per_byte": 1e-9, "unfair": -1}')
     with pytest.raises(LinkError, match="unfair must be >= 0"):
+        load_link(bad)
+    bad.write_text('{"format": "poseidon-link", "version": 1, "alpha_s": 0, '
+                   '"beta_s_per_byte": 1e-9, "overhead_s": -1e-5}')
+    with pytest.raises(LinkError, match="overhead_s must be >= 0, got -1e-05"):
         load_link(bad)
     assert parse_bandwidth("10GbE") == parse_bandwidth("10gbit") == 1e10
     assert parse_bandwidth("1.25GB/s") == 1e10

@@ -87,12 +87,19 @@ class LayerTiming:
     #: how many flows like this node's go through the node's link at once (a machine's k
     #: workers share its one link): the link carries ``ways`` x the bytes above
     ways: float = 1.0
+    #: the messages of Poseidon's transport a round of the layer costs a node, each counted
+    #: at its send and at its receipt, averaged over the nodes (an engine's are its own)
+    messages: float = 0.0
+    #: the compute those messages' CPU takes where workers outnumber their machine's cores
+    #: (``plan_layers``); the DAG model prices machines with cores to spare, and leaves it out
+    cpu_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        """Release to applied for this layer alone on an idle link: what the planner compares."""
+        """Release to applied for this layer alone on an idle link, and the compute its
+        messages take from a crowded machine: what the planner compares."""
         return self.start_s + max(self.up_s + self.tail_s, self.lag_s + self.down_s) \
-            + self.reduce_s
+            + self.reduce_s + self.cpu_s
 
 
 @dataclass(frozen=True)
@@ -140,8 +147,10 @@ def level_timing(cls: Any, info: LayerInfo, world: int, slots: int, link: Any, l
     update = device.update_s(info.params * info.itemsize)
     # the network round starts once the machine's reduce-scatter is summed, and the result
     # is handed to the mates after it; the k owners' parts cross the link at once (ways)
+    # the machine's reduce-scatter and all-gather: a part to and from each mate
     return LayerTiming(info.name, cls.name, net.bytes_sent, net.bytes_received, net.up_s,
                        net.down_s, net.lag_s, net.tail_s + local,
                        net.reduce_s - net.update_s * (not device.update_on_device) + (
                            0.0 if device.update_on_device else update), update,
-                       start_s=local + adds, ways=slots)
+                       start_s=local + adds, ways=slots,
+                       messages=net.messages + 4 * (slots - 1))

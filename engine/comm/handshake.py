@@ -2,7 +2,8 @@
 
 1. HELLO: every worker and shard says it is up, with the digest of its net's synchronised
    layers and settings (``config_digest``); a worker of another configuration is named. A
-   worker also says which collective engines it can run, and in which version.
+   worker also says which collective engines it can run, and in which version, and which
+   kernel it runs on with how many cores (``Met.crowding``).
 2. ENGINE: rank 0 chooses the engines every worker can run (of those the job allows), makes
    each one's rendezvous and sends it; every worker joins them and probes them at once
    (``join_engines``, engine/comm/schemes/collective.py). Rank 0 always sends it (maybe
@@ -33,7 +34,7 @@ from .planner import DEFAULT_LINK, Plan
 from .probe import probe_link
 from .schemes import SCHEMES
 from .chunks import layout_digest
-from .topology import Topology
+from .topology import Topology, crowding, machine_id, usable_cores
 from .transport import SHARD, WORKER, Endpoint, header, message_key
 from .units import LayerSlot, Unit
 
@@ -75,23 +76,34 @@ def offers(names: Sequence[str], on_gpu: bool) -> list[pb.EngineSpec]:
     return out
 
 
+@dataclass
+class Met:
+    """What every worker said in HELLO."""
+    #: each worker's engine offers (``offers``), by rank, this one's included
+    offered: dict[int, list[pb.EngineSpec]]
+    #: the workers on this worker's machine per core it may use (above 1, they take turns)
+    crowding: float
+
+
 def hello(ep: Endpoint, layers: Mapping[int, LayerSlot], chunk_bytes: int, fail: Fail,
-          engines: Sequence[pb.EngineSpec] = ()) -> dict[int, list[pb.EngineSpec]]:
+          engines: Sequence[pb.EngineSpec] = ()) -> Met:
     """Say HELLO to every peer and wait for every worker's; one of another configuration (hosts
-    file, net or chunk size) fails the job, named. Every worker's engine offers (``offers``),
-    by rank, this one's included."""
+    file, net or chunk size) fails the job, named."""
     world = len(ep.hosts)
     digest = config_digest(layers, chunk_bytes)
+    mine, cores = machine_id(), usable_cores()
     ep.broadcast(ep.peers, header(pb.HELLO, layout_digest=digest, world_size=world,
-                                  engines=list(engines)))
+                                  engines=list(engines), machine=mine, cores=cores))
     offered = {ep.me[1]: list(engines)}
+    machines = [mine]
     for m in ep.wait_for([message_key(pb.HELLO, w) for w in workers(ep)], "start-up HELLO",
                          startup=True):
         if m.header.world_size != world or m.header.layout_digest != digest:
             fail(f"{ep.name_of(m.sender)} runs a different configuration "
                  "(hosts file, net or --chunk-bytes differ)")
         offered[m.sender[1]] = list(m.header.engines)
-    return offered
+        machines.append(m.header.machine)
+    return Met(offered, crowding(mine, cores, machines))
 
 
 @dataclass
@@ -194,21 +206,21 @@ def probe(ep: Endpoint, link: Link | None) -> tuple[Link, Link | None]:
 
 
 #: rank 0's planner: (the network link, the link inside a machine or None, the engines every
-#: worker joined) -> the plan
-Planner = Callable[[Link, "Link | None", tuple[EngineCost, ...]], Plan]
+#: worker joined, the workers per core on rank 0's machine) -> the plan
+Planner = Callable[[Link, "Link | None", tuple[EngineCost, ...], float], Plan]
 
 
 def agree_plan(ep: Endpoint, planner: Planner | None, link: Link | None,
                on_plan: Callable[[Plan], None] | None = None,
-               engines: tuple[EngineCost, ...] = ()) -> pb.Plan:
-    """Rank 0 plans (``planner`` on the probed or given links and the engines' probes) and
-    sends the plan to every worker; the others receive it."""
+               engines: tuple[EngineCost, ...] = (), crowding: float = 1.0) -> pb.Plan:
+    """Rank 0 plans (``planner`` on the probed or given links, the engines' probes and its
+    machine's ``crowding``) and sends the plan to every worker; the others receive it."""
     if ep.me[1] != 0:
         [m] = ep.wait_for([message_key(pb.PLAN, (WORKER, 0))], "the communication plan")
         return m.header.plan
     if planner is None:
         raise CommError("rank 0 needs a planner")
-    plan = planner(*probe(ep, link), engines)
+    plan = planner(*probe(ep, link), engines, crowding)
     if on_plan is not None:
         on_plan(plan)
     made = plan.to_pb()

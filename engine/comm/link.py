@@ -53,6 +53,10 @@ class Link:
     #: how many of a node's peers are on one host (flat workers of a machine): flows between
     #: the same two hosts take the same path and share it fairly
     peers_per_host: float = 1.0
+    #: LogP's overhead: the CPU seconds a message's send or its receipt costs the process at
+    #: that end (Poseidon's transport: its threads, the signing, the library), where probed.
+    #: A machine with more workers than cores takes it from their compute (``plan_layers``)
+    overhead_s: float = 0.0
 
     def slowdown(self, peers: float) -> float:
         """How many times its fair share of the time the slowest flow through one side takes
@@ -89,7 +93,7 @@ class Link:
     def as_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "alpha_s": self.alpha_s,
                 "beta_s_per_byte": self.beta_s_per_byte, "bandwidth_bits_per_s": self.bits_per_s,
-                "unfair": self.unfair, "source": self.source}
+                "unfair": self.unfair, "overhead_s": self.overhead_s, "source": self.source}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.as_dict(), indent=1) + "\n")
@@ -133,12 +137,16 @@ def load_link(path: str | Path) -> Link:
     try:
         alpha, beta = float(d["alpha_s"]), float(d["beta_s_per_byte"])
         unfair = float(d.get("unfair", 0.0))
+        overhead = float(d.get("overhead_s", 0.0))
     except (KeyError, TypeError, ValueError):
-        raise LinkError(f"{p}: needs numeric alpha_s and beta_s_per_byte (and unfair, if "
-                        "given)") from None
-    if not (alpha >= 0 and beta > 0 and unfair >= 0):
-        raise LinkError(f"{p}: alpha_s and unfair must be >= 0 and beta_s_per_byte > 0")
-    return Link(alpha, beta, str(d.get("source", str(p))), unfair)
+        raise LinkError(f"{p}: needs numeric alpha_s and beta_s_per_byte (and unfair and "
+                        "overhead_s, if given)") from None
+    for name, value in (("alpha_s", alpha), ("unfair", unfair), ("overhead_s", overhead)):
+        if not value >= 0:
+            raise LinkError(f"{p}: {name} must be >= 0, got {value!r}")
+    if not beta > 0:
+        raise LinkError(f"{p}: beta_s_per_byte must be > 0, got {beta!r}")
+    return Link(alpha, beta, str(d.get("source", str(p))), unfair, overhead_s=overhead)
 
 
 def parse_link(text: str) -> Link:

@@ -71,9 +71,10 @@ def open_worker(rank: int, hosts: Sequence[HostEntry], *, key: bytes, timeout: f
 class Syncer:
     """The per-layer gradient synchroniser a Solver drives (release / wait / wait_all / close).
 
-    ``planner(link, local_link) -> Plan`` is rank 0's (the others follow the plan it sends):
-    the network link and the link inside a machine (None with one worker per machine);
-    ``link``, when given, replaces the network probe. Construction runs the start-up barrier.
+    ``planner(link, local_link, engines, crowding) -> Plan`` is rank 0's (the others follow
+    the plan it sends): the network link and the link inside a machine (None with one worker
+    per machine), the engines every worker joined, and the workers per core on rank 0's
+    machine (``handshake.Planner``); ``link``, when given, replaces the network probe. Construction runs the start-up barrier.
     """
 
     def __init__(self, ep: Endpoint, layers: dict[int, LayerSlot],
@@ -163,17 +164,17 @@ class Syncer:
         """The start-up handshake (engine/comm/handshake.py); from its end on, DATA messages
         can be checked."""
         ep = self.ep
-        offered = handshake.hello(ep, self.layers, self.chunk_bytes, self._fail,
-                                  handshake.offers(self._engine_names, self._on_gpu))
+        met = handshake.hello(ep, self.layers, self.chunk_bytes, self._fail,
+                              handshake.offers(self._engine_names, self._on_gpu))
         self.engines = handshake.join_engines(ep, self._engine_names, self._required_engines,
-                                              offered, self._fail)
+                                              met.offered, self._fail)
         for c in self.engines.costs:
             log.info("Collective engine %s joined (%s, %s): %s", c.name, c.version, c.algorithm,
                      c.link.source)
         for why in self.engines.dropped:
             log.info("Collective engine not planned: %s", why)
         plan = handshake.agree_plan(ep, self._planner, self._link, self._on_plan,
-                                    self.engines.costs)
+                                    self.engines.costs, met.crowding)
         units = handshake.units_of(plan, self.layers, ep.name, self._fail,
                                    tuple(self.engines.joined))
         self.engines.close(keep_only={u.scheme for u in units.units})

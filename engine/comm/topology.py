@@ -6,10 +6,19 @@ unit's vector is cut into k parts; local worker i owns part i, sums it inside it
 (without the network), runs the network scheme on it with the owners of part i on the other
 machines (its *network group*), and hands the result back to its machine (engine/comm/levels.py).
 Otherwise every worker is its own group of one part: the flat schemes.
+
+Which workers share a machine's cores is another matter: workers in network namespaces of one
+kernel are machines of their own to the network, but compute on the same cores. Each says its
+kernel (``machine_id``) and cores in HELLO, and the planner prices the CPU of messages where
+workers outnumber cores (``crowding``; engine/comm/planner.py).
 """
 from __future__ import annotations
 
+import hashlib
+import os
+import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 
@@ -64,3 +73,26 @@ class Topology:
         if self.two_level:
             return [self.network_group(i) for i in range(self.slots)]
         return [tuple(r for m in self.machines for r in m)]
+
+
+def machine_id() -> bytes:
+    """This kernel's name among a job's workers: those that share it share its cores, each
+    in a network namespace of its own or not (a hash of its boot id, else of the host name)."""
+    try:
+        ident = Path("/proc/sys/kernel/random/boot_id").read_bytes()
+    except OSError:
+        ident = socket.gethostname().encode()
+    return hashlib.sha256(b"poseidon machine " + ident).digest()[:16]
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def crowding(mine: bytes, cores: int, machines: Sequence[bytes]) -> float:
+    """Workers per core on the machine ``mine`` (of ``cores``), from every worker's machine."""
+    return sum(1 for m in machines if m == mine) / max(cores, 1)

@@ -112,12 +112,17 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
     if pinned is not None:  # its engines, and no other
         allowed = required = tuple(e.name for e in pinned[0].used_engines)
 
-    def planner(probed: Any, local: Any, engines: Any) -> Any:  # rank 0's: all follow it
-        plan, why = pinned or (None, "")
+    def planner(probed: Any, local: Any, engines: Any, crowding: float) -> Any:  # rank 0's
+        plan, why = pinned or (None, "")  # (every worker follows rank 0's)
         if plan is None:
-            plan = make_plan(infos, world, plan_options(
-                config, entries, allow_sfb, gpu is not None, momentum, solver.net, infos,
-                probed, local, engines))
+            options = plan_options(config, entries, allow_sfb, gpu is not None, momentum,
+                                   solver.net, infos, probed, local, engines, crowding=crowding)
+            if crowding > 1:
+                overhead = probed.overhead_s or (local.overhead_s if local else 0.0)
+                glog.info(f"This machine runs {crowding:g} workers a core: the plan prices "
+                          f"the CPU of each message ({overhead * 1e6:.0f} us at each end, "
+                          "probed) as compute taken from them")
+            plan = make_plan(infos, world, options)
             why = plan.why()
         for e in plan.used_engines:
             glog.info(f"The gradients of {sum(1 for _, s in plan.units if s == e.name)} units "
@@ -287,13 +292,13 @@ def recorded_plan(config: JobConfig, infos: list[Any], entries: list[Any], allow
 def plan_options(config: JobConfig, entries: list[Any], allow_sfb: bool, on_gpu: bool,
                  momentum: float, net: Any = None, infos: list[Any] | None = None,
                  link: Any = None, local_link: Any = None, engines: Any = (),
-                 versions_of: Any = ()) -> Any:
+                 versions_of: Any = (), crowding: float = 1.0) -> Any:
     """Rank 0's PlanOptions: the job's settings, this machine's probed speeds, where the
     workers are, the links (when known), the engines every worker joined (priced by their
     probes) and, with fusion and a ``net``, the backward time of every layer estimated from
     its arithmetic (for --fusion-ms). ``momentum``: what the sparse codec applies (its
     momentum correction; 0: none). ``versions_of``: the engines whose version this machine
-    is asked for (a recorded plan's)."""
+    is asked for (a recorded plan's). ``crowding``: workers per core on this machine."""
     from engine.comm.planner import DEFAULT_LINK, DEFAULT_LOCAL_LINK, PlanOptions
     from engine.comm.probe import probe_device
     from engine.comm.schemes import SCHEMES
@@ -322,7 +327,7 @@ def plan_options(config: JobConfig, entries: list[Any], allow_sfb: bool, on_gpu:
         sparse=(config.sparse, config.sparse_warmup, momentum),
         fusion_bytes=int(config.fusion_mb * (1 << 20)), fusion_s=config.fusion_ms / 1e3,
         backward_s=backward_s, slots=topo.slots if config.levels and topo.two_level else 1,
-        machines=len(topo.machines))
+        machines=len(topo.machines), crowding=crowding)
 
 
 def main(argv: list[str] | None = None) -> None:

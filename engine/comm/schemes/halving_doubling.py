@@ -157,8 +157,11 @@ class HalvingDoubling(DenseScheme):
         chain = sum(link.alpha_s + beta * s + (s / device.add_bytes_per_s if adds else 0.0)
                     for s, adds in hops)
         update = device.update_s(info.params * info.itemsize)
+        # a hop's bytes go in pieces of at most chunk_bytes, each a message out and one in
+        pieces = sum(max(1, math.ceil(s / chunk_bytes)) for s, _ in hops)
         return LayerTiming(info.name, cls.name, moved, moved, chain, chain, 0.0, 0.0,
-                           0.0 if device.update_on_device else update, update)
+                           0.0 if device.update_on_device else update, update,
+                           messages=2.0 * pieces)
 
     # ---------------------------------------------------------------------------- rounds
     def sum_vector(self, unit: Unit, rnd: int, phase: int, vec: np.ndarray, bits: int,

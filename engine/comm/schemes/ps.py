@@ -113,11 +113,14 @@ class PS(DenseScheme):
         # the answers trail the pushes by one chunk's transfer and addition, at the start and
         # at the end
         add = (p - 1) * largest / device.add_bytes_per_s
+        # each chunk: P pushes to its shard (its own worker's too: a shard is a peer of its
+        # own) and P sums back, over the P nodes
         return LayerTiming(info.name, cls.name, sent[busiest], recv[busiest],
                            link.alpha_s + beta * sent[busiest],
                            link.alpha_s + beta * recv[busiest],
                            link.alpha_s + beta * largest + add, beta * largest + add,
-                           0.0 if device.update_on_device else update, update)
+                           0.0 if device.update_on_device else update, update,
+                           messages=4.0 * len(chunks))
 
     def sum_vector(self, unit: Unit, rnd: int, phase: int, vec: np.ndarray, bits: int,
                    on_done: Any) -> None:

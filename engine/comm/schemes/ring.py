@@ -98,7 +98,8 @@ class Ring(DenseScheme):
         # overlap the transfers: the planner's choices between ring and PS rest on it
         adds = (world - 1) * seg / device.add_bytes_per_s
         return LayerTiming(info.name, cls.name, moved, moved, span, span, 0.0, 0.0,
-                           adds + (0.0 if device.update_on_device else update), update)
+                           adds + (0.0 if device.update_on_device else update), update,
+                           messages=2.0 * steps * max(1, math.ceil(seg / chunk_bytes)))
 
     # ---------------------------------------------------------------------------- rounds
     def sum_vector(self, unit: Unit, rnd: int, phase: int, vec: np.ndarray, bits: int,

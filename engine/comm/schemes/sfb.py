@@ -73,7 +73,8 @@ class SFB(Scheme):
         # to and from P-1 peers at once: the round ends with the slowest flow
         one_way = link.alpha_s + link.beta_s_per_byte * link.slowdown(world - 1) * sent
         return LayerTiming(info.name, cls.name, sent, recv, one_way, one_way, 0.0, 0.0,
-                           rebuild + (0.0 if device.update_on_device else update), update)
+                           rebuild + (0.0 if device.update_on_device else update), update,
+                           messages=2.0 * (world - 1))
 
     @classmethod
     def timing_levels(cls, info: Any, machines: int, slots: int, link: Any, local_link: Any,
@@ -89,9 +90,12 @@ class SFB(Scheme):
         update = device.update_s(info.params * info.itemsize)
         one_way = link.alpha_s + link.beta_s_per_byte * link.slowdown(machines - 1) * sent
         # the leader sends once its mates' factors are in, and hands every machine's rows down
+        # a mate's factors up and every row down; a leader's from its mates, to and from the
+        # other leaders, and down to its mates
         return LayerTiming(info.name, cls.name, sent, recv, one_way, one_way, 0.0, down,
                            rebuild + (0.0 if device.update_on_device else update), update,
-                           start_s=up)
+                           start_s=up,
+                           messages=(4.0 * (slots - 1) + 2.0 * (machines - 1)) / slots)
 
     # ---------------------------------------------------------------------------- roles
     def _leader(self, unit: Unit, machine: int) -> int:

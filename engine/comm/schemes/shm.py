@@ -134,8 +134,13 @@ class Shm(DenseScheme):
         copies = (2.0 + (world + 1) / world) * nbytes / device.add_bytes_per_s
         update = device.update_s(nbytes)
         signal = link.alpha_s
+        # WRITTEN to the summers, SUMMED from them: every worker sums a part of a large unit,
+        # one worker a small one's
+        many = nbytes >= PARALLEL_BYTES
+        messages = 4.0 * (world - 1) / (1 if many else world)
         return LayerTiming(info.name, cls.name, 0.0, 0.0, signal, signal, signal, 0.0,
-                           copies + (0.0 if device.update_on_device else update), update)
+                           copies + (0.0 if device.update_on_device else update), update,
+                           messages=messages)
 
     # ---------------------------------------------------------------------------- memory
     def _open(self, create: bool) -> None:
