@@ -489,7 +489,7 @@ def test_two_ranks_sum_in_one_order_and_agree_on_every_signal(signal_params, hel
         for u in units[::-1]:
             got = scheme.capture(u, rnd, bits)
             if isinstance(got, Finished):
-                hosts[rank].done(u, rnd, got.bits)
+                hosts[rank].done(u, rnd, got)
             else:
                 released[u.id] = got
 

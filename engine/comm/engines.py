@@ -165,8 +165,10 @@ class Collective:
         self._next = 0
         self._early: dict[int, tuple[Any, Callable[[], None], str]] = {}
         self._order = threading.Lock()
-        #: set whenever an op is issued (``_take_here`` waits for its turn on it)
+        #: set when an op is issued while ``_take_here`` waits for its turn (``_waiting``: a
+        #: plain flag, read in every issue where the Event's own is a call)
         self._advanced = threading.Event()
+        self._waiting = False
         self._closed = False
         self.failed: str | None = None
         enter = backend.thread_context()
@@ -240,6 +242,7 @@ class Collective:
                     continue
             else:
                 self._advanced.clear()  # then looked at again: an issue between is seen
+                self._waiting = True
                 if self._next != seq and self.failed is None:
                     self._advanced.wait(0.5)
             if abort is not None:
@@ -247,8 +250,15 @@ class Collective:
             if time.monotonic() > deadline:
                 raise EngineError(f"{self.name}: {what} waited {self.timeout:g} s for the "
                                   "allreduces before it")
-        if mine is not None:
-            self._finish_here(*mine, what)
+        if mine is not None:  # waited for after the order's lock: others' ops go on meanwhile
+            handle, on_done = mine
+            try:  # the engine's completion wakes only this thread, as the bare call's does
+                if not self.backend_class.blocking:  # a blocking engine's op is complete
+                    self.backend.finish(handle)
+            except Exception as e:
+                self._fail(what, e)
+            if self.failed is None:
+                on_done()
         if self.failed is not None:
             if abort is not None:
                 abort()  # the job's error, where the engine's failure made one
@@ -273,7 +283,8 @@ class Collective:
         """Issue one op; with ``waited``, return (its handle, its completion) for the thread
         that waits for it rather than arrange its report."""
         self._next += 1
-        if not self._advanced.is_set():  # only a waiter clears it (the set costs a lock)
+        if self._waiting:  # (the set costs a lock)
+            self._waiting = False
             self._advanced.set()
         tl = timeline.current
         if tl.active:  # the allreduce on the engine thread, from its issue to its end
@@ -291,20 +302,6 @@ class Collective:
         except Exception as e:
             self._fail(what, e)
         return None
-
-    def _finish_here(self, handle: Any, on_done: Callable[[], None], what: str) -> None:
-        """Wait on this thread for an op issued here (after the order's lock: ops of other
-        threads go on meanwhile). The engine's completion then wakes only this thread, as
-        the bare call's does: no report on the engine's thread, no event between threads.
-        A failure is the job's (``_take_here`` raises it)."""
-        try:
-            if not self.backend_class.blocking:  # a blocking engine's op is complete
-                self.backend.finish(handle)
-        except Exception as e:
-            self._fail(what, e)
-            return
-        if self.failed is None:
-            on_done()
 
     def _engine_loop(self, enter: Callable[[], None]) -> None:
         enter()

@@ -84,7 +84,8 @@ class CommStats:
                 self._folded_below = rnd - 2
                 for r in [r for r in self._intervals if r < rnd - 2]:
                     self._fold(self._intervals.pop(r))
-            self._note(layer, rnd)
+            if self._rounds[layer] <= rnd:  # ``_note``'s, without its call
+                self._rounds[layer] = rnd + 1
 
     def _fold(self, intervals: list[tuple[int, float, float]], rounds: int = 1) -> None:
         c, h = _overlap(intervals)

@@ -232,7 +232,7 @@ class Syncer:
             captured = self._schemes[unit.scheme].capture(unit, rnd, pend[1])
             if isinstance(captured, Finished):  # summed on this thread: applied here
                 # this thread waited on the sum, as it would have in ``wait``
-                self.done(unit, rnd, captured.bits, pend[2], now() - t)
+                self.done(unit, rnd, captured, pend[2], now() - t)
             else:
                 self._events.put(("start", unit, rnd, pend[1], captured, pend[2]))
 
@@ -377,7 +377,8 @@ class Syncer:
         it was ``released``, it was never outstanding, and how long that thread ``waited``)."""
         if released is None:
             _, released = self._outstanding.pop((unit.id, rnd), (0.0, now()))
-        apply = self.codec.after_round(unit.id, bits) if SCHEMES[unit.scheme].dense else True
+        apply = not self.codec.watches_rounds or not SCHEMES[unit.scheme].dense or \
+            self.codec.after_round(unit.id, bits)
         tl = timeline.current
         start = tl.now() if tl.active else 0.0
         if apply:

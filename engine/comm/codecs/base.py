@@ -34,6 +34,9 @@ class Codec:
     #: the momentum this codec applies to the gradients before it sums them (sparse's momentum
     #: correction); 0: none, the solver applies its own
     momentum = 0.0
+    #: ``after_round`` must see every dense unit's round (fp16's loss scale): else the syncer
+    #: does not call it (a call in every round)
+    watches_rounds = False
 
     def vectors(self, count: int) -> dict[int, int]:
         """phase -> length of the vector each round sums for a unit of ``count`` values."""

@@ -19,6 +19,7 @@ from .base import Codec
 class Fp16Codec(Codec):
     name = "fp16"
     wire_dtype = np.dtype("<f2")
+    watches_rounds = True  # the loss scale halves on an overflow, grows after clean rounds
     INITIAL_SCALE = 2.0 ** 8
     MAX_SCALE = 2.0 ** 16
     GROW_AFTER = 1000

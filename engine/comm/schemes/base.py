@@ -63,13 +63,11 @@ class Host(Protocol):
         """On the training thread: raise the job's error, once it has one (CommError)."""
 
 
-class Finished:
+class Finished(int):
     """``capture``'s answer for a round it completed on the training thread: the sum is in
-    the unit's diffs, and ``bits`` are the signals every worker raised in it."""
-    __slots__ = ("bits",)
-
-    def __init__(self, bits: int) -> None:
-        self.bits = bits
+    the unit's diffs, and its value is the signal bits every worker raised in it (an int
+    subclass: made without a call of Python's, in every such round)."""
+    __slots__ = ()
 
 
 class Scheme(ABC):
