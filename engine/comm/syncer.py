@@ -74,7 +74,8 @@ class Syncer:
     ``planner(link, local_link, engines, crowding) -> Plan`` is rank 0's (the others follow
     the plan it sends): the network link and the link inside a machine (None with one worker
     per machine), the engines every worker joined, and the workers per core on rank 0's
-    machine (``handshake.Planner``); ``link``, when given, replaces the network probe. Construction runs the start-up barrier.
+    machine (``handshake.Planner``); ``link``, when given, replaces the network probe.
+    Construction runs the start-up barrier.
     """
 
     def __init__(self, ep: Endpoint, layers: dict[int, LayerSlot],
