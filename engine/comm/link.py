@@ -3,14 +3,15 @@
 ``alpha`` is the per-message latency and ``beta`` the inverse bandwidth, as in the cost models
 of the Poseidon and S-SGD DAG papers. A link is given on the command line as a bandwidth and a
 latency, or read from the JSON that `poseidon bench comm` writes after fitting both
-(``poseidon-link`` version 1; ``unfair`` optional)::
+(``poseidon-link`` version 1; ``unfair`` and ``overhead_s`` optional)::
 
     {"format": "poseidon-link", "version": 1, "alpha_s": 8.1e-05,
      "beta_s_per_byte": 8.3e-10, "source": "poseidon bench comm, loopback, 2026-11-23"}
 
 Many TCP flows through one side of a link do not share it fairly, and a round that needs all
 of them (a PS shard's sum needs every push of its chunk; a worker, every sum) ends with the
-slowest: ``unfair`` prices that (``slowdown``).
+slowest: ``unfair`` prices that (``slowdown``). ``overhead_s`` is LogP's o, the CPU a message
+costs each end, which the planner prices where workers outnumber cores.
 """
 from __future__ import annotations
 
