@@ -146,8 +146,8 @@ def level_timing(cls: Any, info: LayerInfo, world: int, slots: int, link: Any, l
     adds = share / device.add_bytes_per_s
     update = device.update_s(info.params * info.itemsize)
     # the network round starts once the machine's reduce-scatter is summed, and the result
-    # is handed to the mates after it; the k owners' parts cross the link at once (ways)
-    # the machine's reduce-scatter and all-gather: a part to and from each mate
+    # is handed to the mates after it; the k owners' parts cross the link at once (ways);
+    # the reduce-scatter and all-gather send a part to and get one from each mate
     return LayerTiming(info.name, cls.name, net.bytes_sent, net.bytes_received, net.up_s,
                        net.down_s, net.lag_s, net.tail_s + local,
                        net.reduce_s - net.update_s * (not device.update_on_device) + (

@@ -95,6 +95,12 @@ def split_comm(text: str) -> tuple[str, dict[str, str]]:
     return mode, overrides
 
 
+def overhead_of(link: Link, local_link: Link) -> float:
+    """A message's overhead at each end as probed: on the network's link, else (a given
+    ``--link``) on the link inside the machine."""
+    return link.overhead_s or local_link.overhead_s
+
+
 def plan_layers(layers: Sequence[LayerInfo], p1: int, comm: str = "auto",
                 allow_sfb: bool = True, link: Link | None = None, device: Device | None = None,
                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, wire_itemsize: int = 4,
@@ -130,7 +136,7 @@ def plan_layers(layers: Sequence[LayerInfo], p1: int, comm: str = "auto",
     link = link or DEFAULT_LINK
     local_link = local_link or DEFAULT_LOCAL_LINK
     device = device or Device()
-    overhead = (link.overhead_s or local_link.overhead_s) * crowding if crowding > 1 else 0.0
+    overhead = overhead_of(link, local_link) * crowding if crowding > 1 else 0.0
     plans = []
     #: (layer, dense scheme) -> its time inside a bucket: without the per-message latency,
     #: which the bucket pays once

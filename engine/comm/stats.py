@@ -84,7 +84,7 @@ class CommStats:
                 self._folded_below = rnd - 2
                 for r in [r for r in self._intervals if r < rnd - 2]:
                     self._fold(self._intervals.pop(r))
-            if self._rounds[layer] <= rnd:  # ``_note``'s, without its call
+            if self._rounds[layer] <= rnd:  # inline: a call in every round
                 self._rounds[layer] = rnd + 1
 
     def _fold(self, intervals: list[tuple[int, float, float]], rounds: int = 1) -> None:
@@ -97,11 +97,8 @@ class CommStats:
     def note_round(self, layer: int, rnd: int) -> None:
         """Round ``rnd`` of ``layer`` took place (per-iteration averages divide by the count)."""
         with self._lock:
-            self._note(layer, rnd)
-
-    def _note(self, layer: int, rnd: int) -> None:  # under the lock
-        if self._rounds[layer] <= rnd:
-            self._rounds[layer] = rnd + 1
+            if self._rounds[layer] <= rnd:
+                self._rounds[layer] = rnd + 1
 
     def summary(self) -> dict[str, Any]:
         """Per-layer bytes per round (network and all), wait seconds, and the hidden fraction."""

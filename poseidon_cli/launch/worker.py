@@ -80,7 +80,7 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
     from engine.comm.bind import describe_net
     from engine.comm.link import LinkError, parse_link
     from engine.comm.plan_file import write_plan
-    from engine.comm.planner import make_plan, plan_table
+    from engine.comm.planner import make_plan, overhead_of, plan_table
     from engine.comm.stats import CommStats
     from engine.comm.syncer import Syncer, open_worker
     from engine.comm.wire import frame_limit
@@ -118,7 +118,7 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
             options = plan_options(config, entries, allow_sfb, gpu is not None, momentum,
                                    solver.net, infos, probed, local, engines, crowding=crowding)
             if crowding > 1:
-                overhead = probed.overhead_s or (local.overhead_s if local else 0.0)
+                overhead = overhead_of(options.link, options.local_link)
                 glog.info(f"This machine runs {crowding:g} workers a core: the plan prices "
                           f"the CPU of each message ({overhead * 1e6:.0f} us at each end, "
                           "probed) as compute taken from them")

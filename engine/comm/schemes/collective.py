@@ -34,7 +34,7 @@ import numpy as np
 
 from engine.pb import poseidon_pb2 as pb
 
-from ..cost import Device, LayerTiming
+from ..cost import Device, LayerTiming, cost_ring
 from ..engines import Backend, Collective, EngineError, ring_time
 from ..errors import CommError
 from ..transport import WORKER, Message, PeerId
@@ -151,11 +151,9 @@ class CollectiveScheme(DenseScheme):
                 self._buffers.pop(u.id, None)
             elif buf is None:  # a GPU's, staged: copied in behind
                 self._buffers[u.id] = np.empty(u.count + len(SIGNAL_BITS), dtype)
-        world = host.world
-        for u in self.units.values():
-            itemsize = np.dtype(u.params[0].blob.diff.dtype).itemsize
-            host.ep.stats.count_allreduce(u.id, self.name,
-                                          int(2 * (world - 1) / world * u.count * itemsize))
+        for u in self.units.values():  # a ring's bytes each way (cost_ring: both ways)
+            nbytes = u.count * np.dtype(u.params[0].blob.diff.dtype).itemsize
+            host.ep.stats.count_allreduce(u.id, self.name, int(cost_ring(nbytes, host.world) / 2))
         #: where the signal values lie behind a host signal unit's gradients
         self._signal_tail: memoryview | None = None
         if self.signal_unit is not None and not self._signals_apart:

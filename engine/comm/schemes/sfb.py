@@ -90,8 +90,8 @@ class SFB(Scheme):
         update = device.update_s(info.params * info.itemsize)
         one_way = link.alpha_s + link.beta_s_per_byte * link.slowdown(machines - 1) * sent
         # the leader sends once its mates' factors are in, and hands every machine's rows down
-        # a mate's factors up and every row down; a leader's from its mates, to and from the
-        # other leaders, and down to its mates
+        # (messages: a mate's factors up and the rows down; the leader's from its mates, to and
+        # from the other leaders, and down to its mates)
         return LayerTiming(info.name, cls.name, sent, recv, one_way, one_way, 0.0, down,
                            rebuild + (0.0 if device.update_on_device else update), update,
                            start_s=up,
