@@ -451,7 +451,9 @@ class _Host:
     (((256 << 10) // 4,), False, False), (((128 << 10) // 4,) * 2, False, False)],
     ids=["signals behind the gradients", "signals apart", "signals behind a large diff placed",
          "signals behind a large gathered unit"])
-def test_two_ranks_sum_in_one_order_and_agree_on_every_signal(signal_params, held, apart, path):
+@pytest.mark.parametrize("replaced", [False, True], ids=["diffs kept", "diffs replaced"])
+def test_two_ranks_sum_in_one_order_and_agree_on_every_signal(signal_params, held, apart, path,
+                                                             replaced):
     """The engine layer's multi-rank logic with an in-process engine: three units a round, the
     progress threads of the two ranks start them in other orders, and each is summed in the
     one order; the signal one rank raised reaches both, whether it rides behind the signal
@@ -459,7 +461,8 @@ def test_two_ranks_sum_in_one_order_and_agree_on_every_signal(signal_params, hel
     into the vector with room for them; a large diff that can, or one of two parameters
     gathered into a vector anyway, carries them behind). Host gradients are issued at
     release, and the round's last unit is summed and applied on the training thread; a GPU's
-    (staged) and NCCL's from the progress thread."""
+    (staged) and NCCL's from the progress thread. A unit whose blobs get new diffs after the
+    scheme placed them (a reshape) is summed into the new ones, not the vector they left."""
     from engine.comm.units import LayerSlot, ParamSlot, Unit, gather
 
     class Blob:
@@ -495,6 +498,11 @@ def test_two_ranks_sum_in_one_order_and_agree_on_every_signal(signal_params, hel
 
     try:
         for rnd in range(2):
+            if replaced and rnd == 1:
+                for rank, (_, units) in enumerate(schemes):
+                    for u in units:
+                        for p in u.params:
+                            p.blob.diff = np.full(p.blob.diff.shape, rank + u.id, np.float32)
             released: list[dict] = [{}, {}]
             bits = [0, 2 if rnd == 1 else 0]  # rank 1 raises STOP in round 1
             if path == "at release":  # the two ranks' backwards at once

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.comm import units
-from engine.comm.units import (LayerSlot, ParamSlot, Unit, gather, in_place, lies_at,
+from engine.comm.units import (LayerSlot, ParamSlot, Placed, Unit, gather, in_place, lies_at,
                                place_diffs, placed_vector, scatter_sum)
 
 
@@ -68,6 +68,28 @@ def test_a_next_generation_sums_in_the_vector_its_diffs_lie_in():
     blobs[0].diff = other[:6].reshape(3, 2)
     blobs[1].diff = other[6:]
     assert placed_vector(unit) is not other
+
+
+def test_a_placement_holds_while_each_blob_keeps_its_placed_diff() -> None:
+    """A round sums a placed unit's vector in place, with nothing gathered or scattered,
+    only while every blob still holds the diff placed there (a reshape gives it a new one)."""
+    blobs = [Blob((3, 2), 1.0), Blob((4,), 2.0)]
+    unit = Unit([LayerSlot(0, "a", [ParamSlot(0, "a/0", blobs[0]), ParamSlot(1, "a/1", blobs[1])])],
+                "mpi")
+    vec = placed_vector(unit, behind=4)
+    placed = Placed.of(unit, vec)
+    assert placed is not None and placed.vector() is vec
+    blobs[1].diff = np.full((4,), 5.0, np.float32)  # the second diff replaced
+    assert placed.vector() is None
+    np.testing.assert_array_equal(gather(unit, vec)[:10], [1] * 6 + [5] * 4)  # copied in
+    # where a diff does not lie in the vector there is no placement to start with
+    assert Placed.of(unit, np.empty(14, np.float32)) is None
+    # a lone contiguous diff is its own vector: placed with no vector of the scheme's
+    lone = Unit([LayerSlot(2, "c", [ParamSlot(0, "c/0", Blob((2, 3), 7.0))])], "mpi")
+    flat = Placed.of(lone, None)
+    assert flat is not None and np.shares_memory(flat.vector(), lone.params[0].blob.diff)
+    lone.params[0].blob.diff = np.zeros((2, 3), np.float32)
+    assert flat.vector() is None
 
 
 def test_lies_at_compares_addresses_of_any_array() -> None:

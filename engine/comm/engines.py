@@ -228,7 +228,7 @@ class Collective:
         it is complete by then, as it is when that thread lets go of the order). Each wait is
         bounded: by the job's timeout, and by ``abort`` (which raises the job's error); a
         failure of the engine raises here."""
-        deadline = time.monotonic() + self.timeout
+        deadline = 0.0  # set once it has to wait (a clock read costs the round a call)
         mine = None
         while True:
             if self._next == seq or self.failed is not None:
@@ -247,7 +247,9 @@ class Collective:
                     self._advanced.wait(0.5)
             if abort is not None:
                 abort()
-            if time.monotonic() > deadline:
+            if not deadline:
+                deadline = time.monotonic() + self.timeout
+            elif time.monotonic() > deadline:
                 raise EngineError(f"{self.name}: {what} waited {self.timeout:g} s for the "
                                   "allreduces before it")
         if mine is not None:  # waited for after the order's lock: others' ops go on meanwhile
@@ -269,6 +271,8 @@ class Collective:
         """Hold op ``seq``, then issue every op whose turn it is (under ``_order``). With
         ``here``, op ``seq``, if issued now, is left for this thread to wait for: (its handle,
         its completion)."""
+        if self._next == seq and not self._early:  # its turn, none held: issued at once
+            return self._issue(vec, done, what, here) if self.failed is None else None
         self._early[seq] = (vec, done, what)
         mine = None
         while self._next in self._early and self.failed is None:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from pathlib import Path
 from typing import Any
 
 
-#: how many complete rounds ``add_round`` folds into the totals at once
-FOLD_EVERY = 16
+#: how many rounds ``add_round`` logs before it takes them into the counters
+LOG_BATCH = 64
 
 
 class CommStats:
@@ -38,6 +38,8 @@ class CommStats:
         self._folded = [0, 0.0, 0.0]
         self._folded_below = 0
         self._rounds: dict[int, int] = defaultdict(int)  # layer -> completed rounds
+        #: (layer, round, released, applied, waited) of the rounds not yet counted
+        self._log: deque[tuple[int, int, float, float, float]] = deque()
         self.layer_names: dict[int, str] = {}
         #: run facts (rank, plan, ...) written alongside the counters
         self.extra: dict[str, Any] = {}
@@ -66,26 +68,38 @@ class CommStats:
     def add_round(self, layer: int, rnd: int, released: float, applied: float,
                   waited: float = 0.0) -> None:
         """A worker finished round ``rnd`` of ``layer`` (released -> update applied), and the
-        training thread ``waited`` that long for it (a round summed at its release)."""
-        with self._lock:
+        training thread ``waited`` that long for it (a round summed at its release). Logged
+        (a deque's append needs no lock) and taken into the counters LOG_BATCH at a time: a
+        small allreduce's round pays for each operation of its own bookkeeping."""
+        log = self._log
+        log.append((layer, rnd, released, applied, waited))
+        if len(log) >= LOG_BATCH:
+            with self._lock:
+                self._take_log()
+
+    def _take_log(self) -> None:
+        """The logged rounds into the counters (under the lock). A layer's round R is released
+        after its forward, which waited for every layer's round R-1: rounds before R-1 are
+        complete, and folding them keeps a long run's counters (and each display's summary)
+        as small as its first rounds'. Folded two further back, for a margin."""
+        log, intervals, rounds, wait = self._log, self._intervals, self._rounds, self._wait
+        top = -1
+        for _ in range(len(log)):
+            layer, rnd, released, applied, waited = log.popleft()
             if waited:
-                self._wait[layer] += waited
+                wait[layer] += waited
             if rnd >= self._folded_below:
-                self._intervals[rnd].append((layer, released, applied))
+                intervals[rnd].append((layer, released, applied))
             else:  # a round already folded: its interval alone
                 self._fold([(layer, released, applied)], rounds=0)
-            # A layer's round R is released after its forward, which waited for every
-            # layer's round R-1: rounds before R-1 are complete, and folding them keeps a
-            # long run's counters (and each display's summary) as small as its first rounds'.
-            # Folded two further back, for a margin, and FOLD_EVERY rounds at a time: a
-            # round's own bookkeeping stays a few operations (a small allreduce's round pays
-            # for each of them).
-            if rnd - 2 >= self._folded_below + FOLD_EVERY:
-                self._folded_below = rnd - 2
-                for r in [r for r in self._intervals if r < rnd - 2]:
-                    self._fold(self._intervals.pop(r))
-            if self._rounds[layer] <= rnd:  # inline: a call in every round
-                self._rounds[layer] = rnd + 1
+            if rounds[layer] <= rnd:
+                rounds[layer] = rnd + 1
+            if rnd > top:
+                top = rnd
+        if top - 2 > self._folded_below:
+            self._folded_below = top - 2
+            for r in [r for r in intervals if r < top - 2]:
+                self._fold(intervals.pop(r))
 
     def _fold(self, intervals: list[tuple[int, float, float]], rounds: int = 1) -> None:
         c, h = _overlap(intervals)
@@ -103,6 +117,7 @@ class CommStats:
     def summary(self) -> dict[str, Any]:
         """Per-layer bytes per round (network and all), wait seconds, and the hidden fraction."""
         with self._lock:
+            self._take_log()
             layers = []
             rows = {key: list(row) for key, row in self._bytes.items()}
             for key, nbytes in self._per_round.items():  # one message each way a round
@@ -157,8 +172,8 @@ def _overlap(intervals: list[tuple[int, float, float]]) -> tuple[float, float]:
     The backward window of a round runs from its first release to its last: communication
     after the last release is what the next iteration has to wait for.
     """
-    if not intervals:
-        return 0.0, 0.0
+    if len(intervals) < 2:  # none hidden: a round's one interval starts at its last release
+        return (max(intervals[0][2] - intervals[0][1], 0.0), 0.0) if intervals else (0.0, 0.0)
     spans = sorted([(a, b) for _, a, b in intervals])  # by release
     hi = spans[-1][0]
     total = hidden = 0.0

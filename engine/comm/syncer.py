@@ -223,26 +223,32 @@ class Syncer:
             request = self._request_out
             if layer == self._last_layer:  # sent with (at least) this round's last layer
                 self._request_out &= ~request  # not = 0: a signal may have come meanwhile
-            pend = self._pending.setdefault((unit.id, rnd), [0, 0, t])
-            pend[0] += 1
-            pend[1] |= request
-            complete = pend[0] == len(unit.layers)
-            if complete:
-                del self._pending[(unit.id, rnd)]
+            bits, first, complete = request, t, True  # a unit of one layer: its one release
+            if not unit.alone:
+                pend = self._pending.setdefault((unit.id, rnd), [0, 0, t])
+                pend[0] += 1
+                pend[1] |= request
+                _, bits, first = pend
+                complete = pend[0] == len(unit.layers)
+                if complete:
+                    del self._pending[(unit.id, rnd)]
         if complete:
-            captured = self._schemes[unit.scheme].capture(unit, rnd, pend[1])
+            captured = self._schemes[unit.scheme].capture(unit, rnd, bits)
             if isinstance(captured, Finished):  # summed on this thread: applied here
                 # this thread waited on the sum, as it would have in ``wait``
-                self.done(unit, rnd, captured, pend[2], now() - t)
+                self.done(unit, rnd, captured, first, now() - t)
             else:
-                self._events.put(("start", unit, rnd, pend[1], captured, pend[2]))
+                self._events.put(("start", unit, rnd, bits, captured, first))
 
     def wait(self, layer: int) -> None:
         """Block until every released round of ``layer`` is applied (call before its forward)."""
         if layer not in self.layers:
             return
-        t = now()
         tl = timeline.current
+        if self._applied[layer] >= self._released[layer] and self.ep.error is None and \
+                not tl.active:  # applied already (the counts only grow): no lock, no clock
+            return
+        t = now()
         start = tl.now() if tl.active else 0.0
         with self._lock:
             blocked = self._applied[layer] < self._released[layer]

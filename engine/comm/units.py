@@ -70,6 +70,11 @@ class Unit:
     def count(self) -> int:
         return sum(s.count for s in self.layers)
 
+    @cached_property
+    def alone(self) -> bool:
+        """One layer: its round starts and is complete at that layer's release."""
+        return len(self.layers) == 1
+
     @property
     def priority(self) -> int:
         """Lower goes first: the next forward needs the lowest layer first."""
@@ -134,6 +139,39 @@ def in_place(unit: Unit, vec: np.ndarray) -> bool:
             return False
         offset += int(p.blob.diff.size)
     return True
+
+
+class Placed:
+    """A unit's host vector whose parts its diffs are views of (``placed_vector``'s, or a lone
+    contiguous diff's flat view): summing it in place sums the diffs, with nothing gathered
+    and nothing scattered, while each blob holds the diff it held when this was made (a
+    reshape gives a blob a new diff). Asked every round: identity checks, where ``gather``
+    and ``scatter_sum`` ask each diff's address."""
+    __slots__ = ("vec", "_blobs", "_diffs", "_blob", "_diff")
+
+    def __init__(self, unit: Unit, vec: np.ndarray) -> None:
+        self.vec = vec
+        self._blobs = [p.blob for p in unit.params]
+        self._diffs = [b.diff for b in self._blobs]
+        self._blob, self._diff = self._blobs[0], self._diffs[0]
+
+    @classmethod
+    def of(cls, unit: Unit, vec: np.ndarray | None) -> "Placed | None":
+        """The unit's placement in ``vec`` (None: the unit's own diff, where it is one flat
+        contiguous NumPy diff), or None where its diffs do not all lie there."""
+        if vec is None:
+            return cls(unit, unit.params[0].blob.diff.reshape(-1)) if is_view(unit) else None
+        return cls(unit, vec) if in_place(unit, vec) else None
+
+    def vector(self) -> np.ndarray | None:
+        """The vector, while the diffs are still the ones placed in it; else None."""
+        if self._blob.diff is not self._diff:
+            return None
+        if len(self._blobs) > 1:
+            for b, d in zip(self._blobs, self._diffs):
+                if b.diff is not d:
+                    return None
+        return self.vec
 
 
 def place_diffs(unit: Unit, out: np.ndarray) -> int:

@@ -28,7 +28,8 @@ from engine.pb import poseidon_pb2 as pb
 
 from ..cost import Device, LayerTiming
 from ..staging import Staged, Staging
-from ..units import LayerSlot, Unit, gather, is_view, placed_vector, scatter_sum, split
+from ..units import (LayerSlot, Placed, Unit, gather, is_view, placed_vector, scatter_sum,
+                     split)
 
 if TYPE_CHECKING:
     from ..codecs import Codec
@@ -188,14 +189,17 @@ class DenseScheme(Scheme):
         super().__init__(host, units, chunk_bytes, groups, mine)
         self._buffers: dict[int, np.ndarray] = {}
         self._staging = Staging()
-        #: when a list: each round's seconds from the gathered vector to its sum
-        #: (`poseidon bench comm --allreduce` sets it)
-        self.spans: list[float] | None = None
+        #: when a list: each round's (start, end) on the clock of ``time.perf_counter``,
+        #: from the gathered vector to its sum (`poseidon bench comm --allreduce` sets it)
+        self.spans: list[tuple[float, float]] | None = None
         for u in self.units.values():
             behind = self._behind(u)
             if self.places_diffs and (behind or not is_view(u)) and \
                     all(isinstance(p.blob.diff, np.ndarray) for p in u.params):
                 self._buffers[u.id] = placed_vector(u, behind)
+        #: the host units whose vector their diffs are views of
+        self._placed = {uid: placed for uid, u in self.units.items()
+                        if (placed := Placed.of(u, self._buffers.get(uid))) is not None}
 
     def _behind(self, unit: Unit) -> int:
         """How many values the scheme carries behind the unit's gradients in its vector."""
@@ -204,9 +208,17 @@ class DenseScheme(Scheme):
     def _host_vector(self, unit: Unit) -> np.ndarray:
         """The unit's host gradients as one vector: gathered into a buffer the unit keeps
         across rounds (its diffs themselves when it is one contiguous diff)."""
+        vec = self._placed_vector(unit)
+        if vec is not None:
+            return vec
         if unit.id not in self._buffers and not is_view(unit):
             self._buffers[unit.id] = np.empty(unit.count, np.dtype(unit.params[0].blob.diff.dtype))
         return gather(unit, self._buffers.get(unit.id))
+
+    def _placed_vector(self, unit: Unit) -> np.ndarray | None:
+        """The vector the unit's diffs are views of, while they are (``Placed``); else None."""
+        placed = self._placed.get(unit.id)
+        return placed.vector() if placed is not None else None
 
     def capture(self, unit: Unit, rnd: int, bits: int) -> Staged | None:
         # a GPU's gradients start for the host now, beside the backward of the layers below
@@ -221,7 +233,7 @@ class DenseScheme(Scheme):
 
         def finish(total: np.ndarray, bits: int) -> None:
             if spans is not None:
-                spans.append(time.perf_counter() - began)
+                spans.append((began, time.perf_counter()))
             # the sum into the diffs (a scheme's sends of ``vec``, maybe a diff, are all
             # received once the sum is complete, while ``total`` may still be on its way to a
             # peer: zero-copy); a staged one goes back on the copy stream

@@ -69,10 +69,10 @@ class _Issued:
     finish (attached on the progress thread); whichever comes last runs the finish on the
     progress thread. (The round's last unit is summed and applied on the training thread,
     without one.)"""
-    __slots__ = ("host", "began", "vec", "flags", "_lock", "_left", "_finish")
+    __slots__ = ("host", "began", "placed", "vec", "flags", "_lock", "_left", "_finish")
 
-    def __init__(self, host: Any, began: float) -> None:
-        self.host, self.began = host, began
+    def __init__(self, host: Any, began: float, placed: bool) -> None:
+        self.host, self.began, self.placed = host, began, placed
         self.vec: Any = None
         self.flags: Any = None
         self._lock = threading.Lock()
@@ -183,18 +183,21 @@ class CollectiveScheme(DenseScheme):
         the host first and issued from the progress thread (``start``). The round's last
         unit (the signal unit: backward is over, and the next forward needs it first) is
         waited for and applied here, without a hand-off to the progress thread and back."""
-        staged = super().capture(unit, rnd, bits)
-        if staged is not None:
-            return staged
-        vec = self._host_vector(unit)
+        vec = self._placed_vector(unit)
+        placed = vec is not None  # summed in place: nothing to scatter
+        if not placed:
+            staged = super().capture(unit, rnd, bits)
+            if staged is not None:
+                return staged
+            vec = self._host_vector(unit)
         began = time.perf_counter()
         if unit.id == self.signal_unit:
             vec, flags = self._issue(unit, rnd, vec, bits, _nothing, True)
-            return Finished(self._summed(unit, began, vec, flags))
-        issued = _Issued(self.host, began)
+            return Finished(self._summed(unit, began, vec, flags, placed))
+        issued = _Issued(self.host, began, placed)
         issued.vec, issued.flags = self._issue(unit, rnd, vec, bits, issued.completed)
         if issued.complete():  # summed on this thread: the syncer applies it here too
-            return Finished(self._summed(unit, began, issued.vec, issued.flags))
+            return Finished(self._summed(unit, began, issued.vec, issued.flags, placed))
         return issued
 
     def start(self, unit: Unit, rnd: int, bits: int, captured: Any) -> None:
@@ -202,14 +205,16 @@ class CollectiveScheme(DenseScheme):
             super().start(unit, rnd, bits, captured)
             return
         captured.attach(lambda: self.host.done(unit, rnd, self._summed(
-            unit, captured.began, captured.vec, captured.flags)))
+            unit, captured.began, captured.vec, captured.flags, captured.placed)))
 
-    def _summed(self, unit: Unit, began: float, vec: Any, flags: Any) -> int:
-        """The summed round into the unit's diffs; the signal bits every worker raised."""
+    def _summed(self, unit: Unit, began: float, vec: Any, flags: Any, placed: bool) -> int:
+        """The summed round into the unit's diffs (``placed``: summed in them); the signal
+        bits every worker raised."""
         if self.spans is not None:
-            self.spans.append(time.perf_counter() - began)
+            self.spans.append((began, time.perf_counter()))
         agreed = self._agreed(unit, vec, flags)
-        scatter_sum(unit, vec)
+        if not placed:
+            scatter_sum(unit, vec)
         return agreed
 
     def sum_vector(self, unit: Unit, rnd: int, phase: int, vec: Any, bits: int,
