@@ -229,6 +229,24 @@ def test_bench_train_orders_its_repeats_so_no_run_keeps_its_predecessor(n):
     assert order([], 3) == []
 
 
+def test_bench_comm_allreduce_times_a_collective_from_its_last_ranks_start():
+    """A collective's time per repeat runs from the start of its last rank to the end of its
+    last (a barrier lets ranks go at times of their own), and the row is the median; each
+    engine runs beside its own bare call, in processes of its own; the warm-up moves 64 MB
+    a peer (at most 500 rounds, at least as many as are timed)."""
+    from poseidon_cli.benches.allreduce import BARE, collective_time, groups, warm_up_rounds
+    ranks = [[(0.0, 1.0), (10.0, 10.5), (20.0, 21.0)],   # rank 0 left each barrier first
+             [(0.5, 1.2), (10.3, 10.4), (20.0, 22.0)]]
+    # 1.2 - 0.5, 10.5 - 10.3, 22 - 20: their median
+    assert collective_time(ranks) == pytest.approx(0.7)
+    assert groups(True, True) == [(["ring", "hd", "gloo", BARE[0]], False), (["mpi", BARE[1]], True)]
+    assert groups(False, True) == [(["mpi", BARE[1], "ring", "hd"], True)]
+    assert groups(False, False) == []
+    assert warm_up_rounds(64 << 10, 40) == 500
+    assert warm_up_rounds(1 << 20, 40) == 64
+    assert warm_up_rounds(64 << 20, 8) == 8
+
+
 def test_bench_train_poseidon_side(monkeypatch, tmp_path):
     from poseidon_cli.benches import time as bench_time
     from poseidon_cli.benches import train as bench_train

@@ -1,22 +1,23 @@
 """`poseidon bench comm --allreduce`: Poseidon's allreduce schemes beside the engines called
 bare, in the same processes, alternating.
 
-P processes on loopback (started by mpiexec when mpi4py and mpiexec are there, so that MPI is
-measured too; else as plain processes). For each size, every process builds one Syncer per
-scheme (ring, hd, and the engines gloo and mpi: the real path, from the release of a layer of
-that size to its sum in the diffs, through the progress thread and, for an engine, its engine
-and wait threads; the mean is the solver update's, folded into the pass it makes anyway),
-and, beside them, the engines called bare: torch.distributed's all_reduce on a Gloo process
-group and mpi4py's Allreduce on MPI_COMM_WORLD, as a user's script would. Each repeat runs
-every peer once, each after a barrier, in an order of its own (``alternation.order``: a
-peer runs slower after one whose threads are still winding down, gloo's say, and so each
-follows every other one alike); a repeat's time is the slowest rank's (a collective ends
-when its slowest rank does), and the row gives the median over the repeats. A scheme is
-timed twice over: from the release of its layer to the sum in its diffs (what training waits
-for before the update: the hand-offs to the progress thread and back, the gathered vector),
-and its sum alone ("<scheme>: sum": from the gathered vector to the summed one, which for an
-engine is its engine thread, the engine and the completion posted back). Every process runs
-with one BLAS thread.
+P processes on loopback, a set of them for each engine (``groups``): Gloo's, plain processes
+that run Poseidon's ring and hd too, and MPI's, started by mpiexec (when mpi4py and mpiexec
+are there); a job runs one engine, and another's threads in the process slow this one. For
+each size, every process builds one Syncer per scheme of its set (the real path, from the
+release of a layer of that size to its sum in the diffs: for ring and hd through the
+progress thread; an engine's, the round's last unit, summed on the releasing thread; the
+mean is the solver update's, folded into the pass it makes anyway), and, beside them, its
+engine called bare: torch.distributed's all_reduce on a Gloo process group, mpi4py's
+Allreduce on MPI_COMM_WORLD, as a user's script would. Each repeat runs every peer once,
+each after a barrier, in an order of its own (``alternation.order``: a peer runs slower
+after one whose threads are still winding down, gloo's say, and so each follows every
+other one alike); a repeat's time runs from the start of its last rank to the end of its
+last (``collective_time``), after a warm-up (``warm_up_rounds``), and the row gives the
+median over the repeats. A scheme is timed twice over:
+from the release of its layer to the sum in its diffs (what training waits for before the
+update), and its sum alone ("<scheme>: sum": from the gathered vector to the summed one).
+Every process runs with one BLAS thread.
 """
 from __future__ import annotations
 
@@ -78,67 +79,116 @@ def repeats_for(nbytes: int, budget: int) -> int:
     return max(5, min(budget, (512 << 20) // max(nbytes, 1)))
 
 
+def warm_up_rounds(nbytes: int, repeats: int) -> int:
+    """Untimed alternations before the timed ones: until each peer has moved 64 MB (at most
+    500 rounds), and at least as many as are timed. Connections and first-touch pages want
+    a round or two, the cores' and caches' idle states many more: measured here, two ranks,
+    64 KB, mpi4py's bare Allreduce took 50-70 us (median of 40) after 40 warm-up rounds and
+    22.7 after 300 or 1,000; 1 MB 640-650 us after 40 and 198-200 after 300."""
+    return max(repeats, min(500, (64 << 20) // max(nbytes, 1)))
+
+
+def groups(gloo: bool, mpi: bool) -> list[tuple[list[str], bool]]:
+    """The peers each set of processes runs, and whether mpiexec starts them: each engine
+    beside its own bare call, and Poseidon's ring and hd beside Gloo (else MPI). A job runs
+    one engine, and another engine's threads in the process slow this one: measured here,
+    two ranks, 64 KB, mpi4py's bare Allreduce took 22.4 us beside the mpi scheme alone and
+    38.2 with Gloo's process group and Poseidon's other syncers in the process too."""
+    out = []
+    if gloo:
+        out.append((["ring", "hd", "gloo", BARE[0]], False))
+    if mpi:
+        out.append((["mpi", BARE[1]] + ([] if gloo else ["ring", "hd"]), True))
+    return out
+
+
 def run(workers: list[int], sizes: list[int], budget: int,
         say: Callable[[Row], None] | None = None) -> tuple[list[Row], dict[str, Any]]:
     """Every worker count and size; (the rows, what ran: the peers and why some did not)."""
     from engine.comm.auth import KEY_ENV, key_hex, new_key
     from engine.comm.schemes.gloo import GlooBackend
-    from poseidon_cli.launch.hostfile import free_base_port
 
     gloo = not GlooBackend.missing(False)
     mpiexec = mpi_launcher()
-    peers = [s for s in SCHEMES if (s != "gloo" or gloo) and (s != "mpi" or mpiexec)] + \
-        [b for b in BARE if (b != BARE[0] or gloo) and (b != BARE[1] or mpiexec)]
-    notes = {"peers": peers, "gloo": "" if gloo else GlooBackend.missing(False),
+    sets = groups(gloo, mpiexec is not None)
+    notes = {"peers": [peer for peers, _ in sets for peer in peers],
+             "processes": [peers for peers, _ in sets],
+             "gloo": "" if gloo else GlooBackend.missing(False),
              "mpi": mpiexec or "mpi4py or mpiexec is missing: pip install 'poseidon[mpi]'"}
+    if not sets:
+        raise RuntimeError("bench comm --allreduce needs PyTorch or MPI for its barrier: "
+                           "pip install 'poseidon[gloo]' or 'poseidon[mpi]'")
     rows = []
     with tempfile.TemporaryDirectory(prefix="poseidon-bench-allreduce-") as d:
         for p in workers:
-            # the bare group's store, then each (size, scheme)'s endpoints
-            base = free_base_port((2 + len(sizes) * len(SCHEMES) * (2 * p + 2)) // 2 + 1)
-            config = Path(d) / f"p{p}.json"
-            config.write_text(json.dumps({
-                "world": p, "sizes": sizes, "peers": peers, "base": base,
-                "repeats": [repeats_for(n, budget) for n in sizes], "out": d}))
-            cmd = [sys.executable, "-m", "poseidon_cli.benches.allreduce", str(config)]
-            env = {**os.environ, KEY_ENV: key_hex(new_key()), "OPENBLAS_NUM_THREADS": "1",
-                   "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-            if mpiexec:
-                procs = [subprocess.Popen([mpiexec, "-n", str(p), *cmd], cwd=ROOT, env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          text=True)]
-            else:
-                procs = [subprocess.Popen([*cmd, str(r)], cwd=ROOT, env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          text=True) for r in range(p)]
-            try:
-                outs = [q.communicate(timeout=1800) for q in procs]
-            finally:
-                for q in procs:
-                    if q.poll() is None:
-                        q.kill()
-            failed = [e for q, (_, e) in zip(procs, outs) if q.returncode]
-            if failed:
-                raise RuntimeError(f"bench comm --allreduce, {p} workers: " + " | ".join(
-                    " / ".join(e.strip().splitlines()[-4:]) for e in failed))
-            times = [json.loads((Path(d) / f"p{p}_rank{r}.json").read_text()) for r in range(p)]
-            for k, nbytes in enumerate(sizes):
-                reps = len(times[0][str(nbytes)][peers[0]])
-                seconds = {peer: statistics.median(max(t[str(nbytes)][peer][i] for t in times)
-                                                   for i in range(reps))
-                           for peer in times[0][str(nbytes)]}
-                row = Row(p, nbytes, seconds, reps)
+            seconds: dict[int, dict[str, float]] = {n: {} for n in sizes}
+            reps: dict[int, int] = {}
+            for g, (peers, by_mpi) in enumerate(sets):
+                env = {**os.environ, KEY_ENV: key_hex(new_key()), "OPENBLAS_NUM_THREADS": "1",
+                       "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+                times = _processes(Path(d), f"p{p}g{g}", p, sizes, peers, budget,
+                                   mpiexec if by_mpi else None, env)
+                for nbytes in sizes:
+                    got = [t[str(nbytes)] for t in times]
+                    reps[nbytes] = len(got[0][peers[0]])
+                    seconds[nbytes].update({peer: collective_time([t[peer] for t in got])
+                                            for peer in got[0]})
+            for nbytes in sizes:
+                row = Row(p, nbytes, seconds[nbytes], reps[nbytes])
                 rows.append(row)
                 if say is not None:
                     say(row)
     return rows, notes
 
 
+def collective_time(ranks: list[list[tuple[float, float]]]) -> float:
+    """The median over the repeats of a collective's time: from the start of its last rank
+    to the end of its last (every rank's (start, end) on the machine's one monotonic clock).
+    A collective can start no earlier, and a barrier lets its ranks go at times of their
+    own: Gloo's, whose waiting threads sleep, by milliseconds on two busy cores (measured:
+    half of torch.distributed's 64 KB allreduces took 2-8 ms from their own rank's start,
+    the rest 0.2-0.6)."""
+    return statistics.median(max(r[i][1] for r in ranks) - max(r[i][0] for r in ranks)
+                             for i in range(len(ranks[0])))
+
+
+def _processes(d: Path, name: str, p: int, sizes: list[int], peers: list[str], budget: int,
+               mpiexec: str | None, env: dict[str, str]) -> list[dict[str, Any]]:
+    """P processes (by ``mpiexec``, else plain ones) that run ``peers`` for every size: each
+    rank's times."""
+    from poseidon_cli.launch.hostfile import free_base_port
+
+    # the bare group's store, then each (size, scheme)'s endpoints
+    base = free_base_port((2 + len(sizes) * len(SCHEMES) * (2 * p + 2)) // 2 + 1)
+    config = d / f"{name}.json"
+    config.write_text(json.dumps({
+        "world": p, "sizes": sizes, "peers": peers, "base": base, "name": name,
+        "repeats": [repeats_for(n, budget) for n in sizes], "out": str(d)}))
+    cmd = [sys.executable, "-m", "poseidon_cli.benches.allreduce", str(config)]
+    if mpiexec:
+        procs = [subprocess.Popen([mpiexec, "-n", str(p), *cmd], cwd=ROOT, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+    else:
+        procs = [subprocess.Popen([*cmd, str(r)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for r in range(p)]
+    try:
+        outs = [q.communicate(timeout=1800) for q in procs]
+    finally:
+        for q in procs:
+            if q.poll() is None:
+                q.kill()
+    failed = [e for q, (_, e) in zip(procs, outs) if q.returncode]
+    if failed:
+        raise RuntimeError(f"bench comm --allreduce, {p} workers ({', '.join(peers)}): " +
+                           " | ".join(" / ".join(e.strip().splitlines()[-4:]) for e in failed))
+    return [json.loads((d / f"{name}_rank{r}.json").read_text()) for r in range(p)]
+
+
 # ------------------------------------------------------------------------- one process
 class _Blob:
     def __init__(self, n: int) -> None:
         self.data = np.zeros(n, np.float32)
-        self.diff = np.ones(n, np.float32)
+        self.diff = np.zeros(n, np.float32)  # summed every round: ones would overflow
 
 
 def layer_syncer(scheme: str, nbytes: int, rank: int, world: int, base: int,
@@ -184,15 +234,15 @@ def child(config_path: str, rank_arg: str | None) -> None:
         for j, scheme in enumerate(s for s in SCHEMES if s in peers):
             base = cfg["base"] + 2 + (k * len(SCHEMES) + j) * per_size
             syncers[scheme] = layer_syncer(scheme, nbytes, rank, world, base, key)
-        buf = np.ones(nbytes // 4, np.float32)
-        row: dict[str, list[float]] = {peer: [] for peer in peers}
+        buf = np.zeros(nbytes // 4, np.float32)
+        row: dict[str, list[tuple[float, float]]] = {peer: [] for peer in peers}
         row.update({f"{s}: sum": [] for s in syncers})
         spans = {}
         for s, sync in syncers.items():
             [scheme] = sync._schemes.values()
             spans[s] = scheme.spans = []
 
-        def once(peer: str) -> float:
+        def once(peer: str) -> tuple[float, float]:
             barrier()
             t = time.perf_counter()
             if peer in syncers:
@@ -200,10 +250,10 @@ def child(config_path: str, rank_arg: str | None) -> None:
                 syncers[peer].wait(0)
             else:
                 bare[peer](buf)
-            return time.perf_counter() - t
+            return t, time.perf_counter()
 
-        for _ in range(2):  # warm-up: connections, first-touch pages
-            for peer in peers:
+        for i in range(warm_up_rounds(nbytes, cfg["repeats"][k])):
+            for peer in order(peers, i):
                 once(peer)
         for s in spans.values():
             s.clear()
@@ -215,7 +265,7 @@ def child(config_path: str, rank_arg: str | None) -> None:
         for s in syncers.values():
             s.close()
         times[str(nbytes)] = row
-    Path(cfg["out"], f"p{world}_rank{rank}.json").write_text(json.dumps(times))
+    Path(cfg["out"], f"{cfg['name']}_rank{rank}.json").write_text(json.dumps(times))
     barrier()  # every rank wrote its times before any leaves (the launcher ends at the first)
 
 
