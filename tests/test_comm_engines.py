@@ -541,6 +541,33 @@ def test_two_ranks_sum_in_one_order_and_agree_on_every_signal(signal_params, hel
             host.collectives["hub"].close()
 
 
+def test_a_closed_schemes_placements_leave_the_diffs_to_the_next_generation():
+    """A scheme's placements hold its units' diffs; once it is closed, the next generation's
+    scheme, with another plan (the two layers in one bucket), moves them into its vector, as
+    it moves diffs nothing else holds, rather than copy them in every round."""
+    from engine.comm.units import LayerSlot, ParamSlot, Unit, placed_vector
+
+    class Blob:
+        def __init__(self, n: int) -> None:
+            self.data = np.zeros(n, np.float32)
+            self.diff = np.zeros(n, np.float32)
+
+    blobs = {i: Blob(n) for i, n in ((1, 3), (2, 5), (3, 7))}
+
+    def slot(i: int) -> LayerSlot:
+        return LayerSlot(i, f"l{i}", [ParamSlot(i, f"l{i}/0", blobs[i])])
+    host = _Host(0)
+    try:
+        scheme = _HubScheme(host, [Unit([slot(i)], "hub") for i in (1, 2, 3)], 1 << 20)
+        assert scheme._placed_vector(Unit([slot(2)], "hub")) is not None  # lone diffs: placed
+        scheme.close()
+        bucket = Unit([slot(2), slot(3)], "hub")  # the next plan fuses them
+        vec = placed_vector(bucket)
+        assert all(np.shares_memory(blobs[i].diff, vec) for i in (2, 3))
+    finally:
+        host.collectives["hub"].close()
+
+
 def test_signal_bits_are_every_request_bit():
     from engine.comm.syncer import REQUEST_BITS
     assert set(REQUEST_BITS.values()) <= set(SIGNAL_BITS)

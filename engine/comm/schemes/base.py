@@ -205,6 +205,11 @@ class DenseScheme(Scheme):
         """How many values the scheme carries behind the unit's gradients in its vector."""
         return 0
 
+    def close(self) -> None:
+        # the placements hold the diffs, and a next generation's ``place_diffs`` would take
+        # them for diffs that something else holds (it counts their references)
+        self._placed.clear()
+
     def _host_vector(self, unit: Unit) -> np.ndarray:
         """The unit's host gradients as one vector: gathered into a buffer the unit keeps
         across rounds (its diffs themselves when it is one contiguous diff)."""

@@ -197,6 +197,7 @@ class Shm(DenseScheme):
         return views
 
     def close(self) -> None:
+        super().close()
         self._unlink()
         self._views.clear()
         self._buffers.clear()
