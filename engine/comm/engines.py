@@ -268,18 +268,22 @@ class Collective:
 
     def _take(self, seq: int, vec: Any, done: Callable[[], None], what: str,
               here: bool = False) -> tuple[Any, Callable[[], None]] | None:
-        """Hold op ``seq``, then issue every op whose turn it is (under ``_order``). With
-        ``here``, op ``seq``, if issued now, is left for this thread to wait for: (its handle,
-        its completion)."""
-        if self._next == seq and not self._early:  # its turn, none held: issued at once
-            return self._issue(vec, done, what, here) if self.failed is None else None
-        self._early[seq] = (vec, done, what)
+        """Op ``seq`` held until its turn; in its turn, issued, and then every held op whose
+        turn follows (under ``_order``: no op is held in its turn). With ``here``, op ``seq``,
+        if issued now, is left for this thread to wait for: (its handle, its completion)."""
+        if self._next != seq:
+            self._early[seq] = (vec, done, what)
+            return None
         mine = None
-        while self._next in self._early and self.failed is None:
+        while self.failed is None:
             waited = here and self._next == seq
-            issued = self._issue(*self._early.pop(self._next), waited)
+            issued = self._issue(vec, done, what, waited)
             if waited:
                 mine = issued
+            op = self._early.pop(self._next, None) if self._early else None
+            if op is None:
+                break
+            vec, done, what = op
         return mine
 
     def _issue(self, vec: Any, on_done: Callable[[], None], what: str,

@@ -165,7 +165,7 @@ class Placed:
 
     def vector(self) -> np.ndarray | None:
         """The vector, while the diffs are still the ones placed in it; else None."""
-        if self._blob.diff is not self._diff:
+        if self._blob.diff is not self._diff:  # the first without a loop: most units are one
             return None
         if len(self._blobs) > 1:
             for b, d in zip(self._blobs, self._diffs):

@@ -211,11 +211,14 @@ class DenseScheme(Scheme):
         self._placed.clear()
 
     def _host_vector(self, unit: Unit) -> np.ndarray:
-        """The unit's host gradients as one vector: gathered into a buffer the unit keeps
-        across rounds (its diffs themselves when it is one contiguous diff)."""
+        """The unit's host gradients as one vector: the one its diffs are views of, or
+        ``_gathered``."""
         vec = self._placed_vector(unit)
-        if vec is not None:
-            return vec
+        return vec if vec is not None else self._gathered(unit)
+
+    def _gathered(self, unit: Unit) -> np.ndarray:
+        """The unit's host gradients gathered into a buffer the unit keeps across rounds (its
+        diff itself when it is one contiguous diff)."""
         if unit.id not in self._buffers and not is_view(unit):
             self._buffers[unit.id] = np.empty(unit.count, np.dtype(unit.params[0].blob.diff.dtype))
         return gather(unit, self._buffers.get(unit.id))

@@ -189,7 +189,7 @@ class CollectiveScheme(DenseScheme):
             staged = super().capture(unit, rnd, bits)
             if staged is not None:
                 return staged
-            vec = self._host_vector(unit)
+            vec = self._gathered(unit)
         began = time.perf_counter()
         if unit.id == self.signal_unit:
             vec, flags = self._issue(unit, rnd, vec, bits, _nothing, True)
