@@ -185,3 +185,22 @@ def test_a_managers_rank_is_the_rank_in_the_hosts_file(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_NTASKS", "4")
     with pytest.raises(CommError, match=f"SLURM started 4 workers, but {hosts} lists 2$"):
         start(JobConfig("s", str(hosts)), None, str(hosts), None, None, None, "local")
+
+
+def test_a_shard_that_outlives_its_wait_or_fails_is_one_comm_error():
+    """A worker waits for its shard after BYE; a shard still waiting for a killed worker's
+    time-out (later on a busy machine) or one that failed is a CommError naming it, which an
+    elastic survivor ends its generation on, not an exception that ends its process."""
+    from poseidon_cli.launch.worker import shard_ended
+
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with pytest.raises(CommError, match=r"shard 3 \(h:1\) did not end within 0.2 s"):
+            shard_ended(slow, 0.2, "shard 3 (h:1)")
+    finally:
+        slow.kill()
+        slow.wait()
+    failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(CommError, match=r"shard 3 \(h:1\) exited with code 3"):
+        shard_ended(failed, 30, "shard 3 (h:1)")
+    shard_ended(subprocess.Popen([sys.executable, "-c", "pass"]), 30, "shard 3 (h:1)")

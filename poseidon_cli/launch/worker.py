@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -212,10 +213,8 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
         if meter is not None:  # read while the communicator's threads and the shard live
             stats.extra["cpu_s_per_iter"] = meter.end(int(stats.summary()["iterations"]) - 1)
         solver.close()  # the last updates, the replica check, BYE; then the shard ends
-        shard.wait(timeout=config.timeout)
-        if shard.returncode:
-            raise CommError(f"shard {rank} ({entries[rank].host}:{entries[rank].shard_port}) "
-                            f"exited with code {shard.returncode}")
+        shard_ended(shard, config.timeout,
+                    f"shard {rank} ({entries[rank].host}:{entries[rank].shard_port})")
     finally:
         solver.close()  # on failure: stop the comm threads so the process can exit
         if config.stats is not None and rank == 0:
@@ -223,6 +222,21 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
         if shard.poll() is None:
             shard.kill()  # it ignores the polite signals (see shard.py); it holds nothing to save
             shard.wait()
+
+
+def shard_ended(shard: subprocess.Popen, timeout: float, name: str) -> None:
+    """Wait for the shard to end once its worker said BYE; a CommError naming it where it
+    failed or outlived ``timeout`` (it waits for every worker's BYE, and a worker killed
+    without one is only declared silent after the same time-out, later on a busy machine:
+    an elastic generation's survivors then end as failed, where the wait's own exception
+    ended their process)."""
+    try:
+        shard.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise CommError(f"{name} did not end within {timeout:g} s of its worker's BYE (it "
+                        "waits for every worker's BYE, or for a silent one's time-out)") from None
+    if shard.returncode:
+        raise CommError(f"{name} exited with code {shard.returncode}")
 
 
 def run_managed(config: JobConfig, placement: Placement) -> None:
