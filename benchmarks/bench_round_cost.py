@@ -6,7 +6,7 @@
 Under ``mpiexec -n P`` (started here), each rank builds the mpi scheme's syncer for one layer
 of each size (``poseidon bench comm --allreduce``'s: the real path, from the layer's release
 to its update, and the wait before its next forward) and alternates it with mpi4py's
-Allreduce called bare on a vector of its own, each after a barrier and ``--gap-ms`` of other
+Allreduce called bare on the same diff, each after a barrier and ``--gap-ms`` of other
 Python on the training thread. The gap is what makes the round cold, as in training, where
 backward runs between a layer's rounds: on a busy VM a Python path slows several times after
 some milliseconds of other work, where MPI's one C call barely does (docs/engines.md). A
@@ -50,8 +50,7 @@ def child(args: argparse.Namespace) -> None:
 
     rows = []
     for k, nbytes in enumerate(parse_sizes(args.sizes)):
-        sync = layer_syncer("mpi", nbytes, rank, world, args.port + 4 * world * k, key)
-        buf = np.ones(nbytes // 4, np.float32)
+        sync, buf = layer_syncer("mpi", nbytes, rank, world, args.port + 4 * world * k, key)
 
         def scheme() -> None:
             sync.release(0)

@@ -231,20 +231,27 @@ def test_bench_train_orders_its_repeats_so_no_run_keeps_its_predecessor(n):
 
 def test_bench_comm_allreduce_times_a_collective_from_its_last_ranks_start():
     """A collective's time per repeat runs from the start of its last rank to the end of its
-    last (a barrier lets ranks go at times of their own), and the row is the median; each
-    engine runs beside its own bare call, in processes of its own; the warm-up moves 64 MB
-    a peer (at most 500 rounds, at least as many as are timed)."""
-    from poseidon_cli.benches.allreduce import BARE, collective_time, groups, warm_up_rounds
+    last (a barrier lets ranks go at times of their own), per round of the repeat's batch,
+    and the row is the median; a scheme's sums (one span a round) are taken in the repeats'
+    batches too; each engine runs beside its own bare call, in processes of its own; the
+    warm-up runs 500 rounds or 64 MB a peer."""
+    from poseidon_cli.benches.allreduce import (BARE, collective_time, groups,
+                                                rounds_per_repeat, warm_up_alternations)
     ranks = [[(0.0, 1.0), (10.0, 10.5), (20.0, 21.0)],   # rank 0 left each barrier first
              [(0.5, 1.2), (10.3, 10.4), (20.0, 22.0)]]
     # 1.2 - 0.5, 10.5 - 10.3, 22 - 20: their median
     assert collective_time(ranks) == pytest.approx(0.7)
+    assert collective_time(ranks, rounds=2) == pytest.approx(0.35)
+    four = [ranks[0] + [(30.0, 30.1)], ranks[1] + [(30.0, 30.3)]]
+    # repeats of two spans: (0.7 + 0.2) / 2 and (2 + 0.3) / 2, their median
+    assert collective_time(four, spans=2) == pytest.approx((0.45 + 1.15) / 2)
     assert groups(True, True) == [(["ring", "hd", "gloo", BARE[0]], False), (["mpi", BARE[1]], True)]
     assert groups(False, True) == [(["mpi", BARE[1], "ring", "hd"], True)]
     assert groups(False, False) == []
-    assert warm_up_rounds(64 << 10, 40) == 500
-    assert warm_up_rounds(1 << 20, 40) == 64
-    assert warm_up_rounds(64 << 20, 8) == 8
+    assert [rounds_per_repeat(n) for n in (64 << 10, 1 << 20, 64 << 20)] == [64, 32, 1]
+    assert warm_up_alternations(64 << 10, 40) == 8      # 500 rounds
+    assert warm_up_alternations(1 << 20, 40) == 2       # 64 MB
+    assert warm_up_alternations(64 << 20, 8) == 8       # as many as are timed, one round each
 
 
 def test_bench_train_poseidon_side(monkeypatch, tmp_path):

@@ -9,12 +9,13 @@ release of a layer of that size to its sum in the diffs: for ring and hd through
 progress thread; an engine's, the round's last unit, summed on the releasing thread; the
 mean is the solver update's, folded into the pass it makes anyway), and, beside them, its
 engine called bare: torch.distributed's all_reduce on a Gloo process group, mpi4py's
-Allreduce on MPI_COMM_WORLD, as a user's script would. Each repeat runs every peer once,
+Allreduce on MPI_COMM_WORLD, as a user's script would, on the engine scheme's own vector. Each repeat runs every peer once,
 each after a barrier, in an order of its own (``alternation.order``: a peer runs slower
 after one whose threads are still winding down, gloo's say, and so each follows every
-other one alike); a repeat's time runs from the start of its last rank to the end of its
-last (``collective_time``), after a warm-up (``warm_up_rounds``), and the row gives the
-median over the repeats. A scheme is timed twice over:
+other one alike). A repeat is a batch of rounds back to back (``rounds_per_repeat``), as a
+training step releases its layers; its time per round runs from the start of its last rank
+to the end of its last (``collective_time``), after a warm-up (``warm_up_alternations``),
+and the row gives the median over the repeats. A scheme is timed twice over:
 from the release of its layer to the sum in its diffs (what training waits for before the
 update), and its sum alone ("<scheme>: sum": from the gathered vector to the summed one).
 Every process runs with one BLAS thread.
@@ -48,9 +49,10 @@ SIZES = (64 << 10, 1 << 20, 64 << 20)
 class Row:
     workers: int
     bytes: int
-    #: peer -> median seconds (the slowest rank's time per repeat)
+    #: peer -> median seconds a round (over the repeats; a repeat is ``rounds`` back to back)
     seconds: dict[str, float]
     repeats: int
+    rounds: int
 
     def ratio(self, scheme: str, part: str = "") -> float | None:
         """An engine scheme's time (``part`` ': sum': its sum alone) over its engine's bare
@@ -61,7 +63,7 @@ class Row:
 
     def as_dict(self) -> dict[str, Any]:
         return {"workers": self.workers, "bytes": self.bytes, "seconds": self.seconds,
-                "repeats": self.repeats,
+                "repeats": self.repeats, "rounds_per_repeat": self.rounds,
                 "engine_over_bare": {s: self.ratio(s) for s in ENGINE_OF if self.ratio(s)},
                 "engine_sum_over_bare": {s: self.ratio(s, ": sum") for s in ENGINE_OF
                                          if self.ratio(s, ": sum")}}
@@ -79,13 +81,24 @@ def repeats_for(nbytes: int, budget: int) -> int:
     return max(5, min(budget, (512 << 20) // max(nbytes, 1)))
 
 
-def warm_up_rounds(nbytes: int, repeats: int) -> int:
-    """Untimed alternations before the timed ones: until each peer has moved 64 MB (at most
-    500 rounds), and at least as many as are timed. Connections and first-touch pages want
-    a round or two, the cores' and caches' idle states many more: measured here, two ranks,
-    64 KB, mpi4py's bare Allreduce took 50-70 us (median of 40) after 40 warm-up rounds and
-    22.7 after 300 or 1,000; 1 MB 640-650 us after 40 and 198-200 after 300."""
-    return max(repeats, min(500, (64 << 20) // max(nbytes, 1)))
+def rounds_per_repeat(nbytes: int) -> int:
+    """Rounds a repeat runs back to back: 32 MB a peer, at most 64 rounds. One round a
+    repeat gave medians that were a coin's toss on Gloo here, where a fifth to a half of the
+    calls wait a scheduler tick (two ranks, 64 KB, 200 single rounds: the scheme 0.33x to
+    3.95x of the bare call in four runs; 40 repeats of 64 rounds: 0.94x-1.04x in three)."""
+    return max(1, min(64, (32 << 20) // max(nbytes, 1)))
+
+
+def warm_up_alternations(nbytes: int, repeats: int) -> int:
+    """Untimed alternations before the timed ones: until each peer has run 500 rounds or
+    moved 64 MB, and at least two (each peer follows another), or as many as are timed where
+    a repeat is one round. Connections and first-touch pages want a round or two, the cores'
+    and caches' idle states many more: measured here, two ranks, 64 KB, mpi4py's bare
+    Allreduce took 50-70 us (median of 40) after 40 warm-up rounds and 22.7 after 300 or
+    1,000; 1 MB 640-650 us after 40 and 198-200 after 300."""
+    batch = rounds_per_repeat(nbytes)
+    rounds = min(500, (64 << 20) // max(nbytes, 1))
+    return max(2, -(-rounds // batch), repeats if batch == 1 else 0)
 
 
 def groups(gloo: bool, mpi: bool) -> list[tuple[list[str], bool]]:
@@ -122,7 +135,7 @@ def run(workers: list[int], sizes: list[int], budget: int,
     with tempfile.TemporaryDirectory(prefix="poseidon-bench-allreduce-") as d:
         for p in workers:
             seconds: dict[int, dict[str, float]] = {n: {} for n in sizes}
-            reps: dict[int, int] = {}
+            reps: dict[int, int] = {}  # repeats (alike for every set)
             for g, (peers, by_mpi) in enumerate(sets):
                 env = {**os.environ, KEY_ENV: key_hex(new_key()), "OPENBLAS_NUM_THREADS": "1",
                        "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -131,25 +144,33 @@ def run(workers: list[int], sizes: list[int], budget: int,
                 for nbytes in sizes:
                     got = [t[str(nbytes)] for t in times]
                     reps[nbytes] = len(got[0][peers[0]])
-                    seconds[nbytes].update({peer: collective_time([t[peer] for t in got])
-                                            for peer in got[0]})
+                    batch = rounds_per_repeat(nbytes)
+                    seconds[nbytes].update({
+                        peer: collective_time([t[peer] for t in got], *(
+                            (1, batch) if peer.endswith(": sum") else (batch, 1)))
+                        for peer in got[0]})
             for nbytes in sizes:
-                row = Row(p, nbytes, seconds[nbytes], reps[nbytes])
+                row = Row(p, nbytes, seconds[nbytes], reps[nbytes], rounds_per_repeat(nbytes))
                 rows.append(row)
                 if say is not None:
                     say(row)
     return rows, notes
 
 
-def collective_time(ranks: list[list[tuple[float, float]]]) -> float:
-    """The median over the repeats of a collective's time: from the start of its last rank
-    to the end of its last (every rank's (start, end) on the machine's one monotonic clock).
+def collective_time(ranks: list[list[tuple[float, float]]], rounds: int = 1,
+                    spans: int = 1) -> float:
+    """The median over the repeats of a collective's time a round: each span's time from
+    the start of its last rank to the end of its last (every rank's (start, end) on the
+    machine's one monotonic clock); a repeat is ``spans`` consecutive spans (a scheme's sums
+    each of a round) of ``rounds`` rounds each (a peer's batch).
     A collective can start no earlier, and a barrier lets its ranks go at times of their
     own: Gloo's, whose waiting threads sleep, by milliseconds on two busy cores (measured:
     half of torch.distributed's 64 KB allreduces took 2-8 ms from their own rank's start,
     the rest 0.2-0.6)."""
-    return statistics.median(max(r[i][1] for r in ranks) - max(r[i][0] for r in ranks)
-                             for i in range(len(ranks[0])))
+    each = [max(r[i][1] for r in ranks) - max(r[i][0] for r in ranks)
+            for i in range(len(ranks[0]))]
+    return statistics.median(sum(each[i:i + spans]) for i in range(0, len(each), spans)) \
+        / (rounds * spans)
 
 
 def _processes(d: Path, name: str, p: int, sizes: list[int], peers: list[str], budget: int,
@@ -192,8 +213,9 @@ class _Blob:
 
 
 def layer_syncer(scheme: str, nbytes: int, rank: int, world: int, base: int,
-                 key: bytes) -> Any:
-    """One layer of ``nbytes`` synchronised by ``scheme`` among ``world`` local workers."""
+                 key: bytes) -> tuple[Any, np.ndarray]:
+    """One layer of ``nbytes`` synchronised by ``scheme`` among ``world`` local workers:
+    (its Syncer, its diff)."""
     from engine.comm.cost import LayerInfo
     from engine.comm.planner import PlanOptions, make_plan
     from engine.comm.syncer import Syncer, open_worker
@@ -202,7 +224,8 @@ def layer_syncer(scheme: str, nbytes: int, rank: int, world: int, base: int,
     from poseidon_cli.launch.hostfile import parse_hosts_text
 
     n = nbytes // 4
-    slots = {0: LayerSlot(0, "grad", [ParamSlot(0, "grad/0", _Blob(n))])}
+    blob = _Blob(n)
+    slots = {0: LayerSlot(0, "grad", [ParamSlot(0, "grad/0", blob)])}
     infos = [LayerInfo(0, "grad", [(n,)])]
     hosts = parse_hosts_text("".join(f"{i} 127.0.0.1 {base + 2 * i}\n" for i in range(world)))
     ep = open_worker(rank, hosts, key=key, timeout=120, shards=False,
@@ -213,7 +236,7 @@ def layer_syncer(scheme: str, nbytes: int, rank: int, world: int, base: int,
         return make_plan(infos, world, PlanOptions(comm=scheme, link=link, engines=joined))
 
     return Syncer(ep, slots, lambda layer: None, planner=planner, levels=False,
-                  engines=engines, required_engines=engines)
+                  engines=engines, required_engines=engines), blob.diff
 
 
 def child(config_path: str, rank_arg: str | None) -> None:
@@ -230,11 +253,15 @@ def child(config_path: str, rank_arg: str | None) -> None:
     times: dict[str, dict[str, list[float]]] = {}
     per_size = 2 * world + 2
     for k, nbytes in enumerate(cfg["sizes"]):
-        syncers = {}
+        syncers, diffs = {}, {}
         for j, scheme in enumerate(s for s in SCHEMES if s in peers):
             base = cfg["base"] + 2 + (k * len(SCHEMES) + j) * per_size
-            syncers[scheme] = layer_syncer(scheme, nbytes, rank, world, base, key)
-        buf = np.zeros(nbytes // 4, np.float32)
+            syncers[scheme], diffs[scheme] = layer_syncer(scheme, nbytes, rank, world, base,
+                                                          key)
+        # the bare call sums the engine scheme's own diff: on another vector allocated alike,
+        # mpi4py's 64 MB Allreduce took 1.3-1.4x as long here (two ranks; on this one, the
+        # scheme's time), and the rows compare the paths to the engine, not two buffers
+        buf = next(diffs[s] for s in ENGINE_OF if s in diffs)
         row: dict[str, list[tuple[float, float]]] = {peer: [] for peer in peers}
         row.update({f"{s}: sum": [] for s in syncers})
         spans = {}
@@ -242,17 +269,20 @@ def child(config_path: str, rank_arg: str | None) -> None:
             [scheme] = sync._schemes.values()
             spans[s] = scheme.spans = []
 
+        batch = rounds_per_repeat(nbytes)
+
         def once(peer: str) -> tuple[float, float]:
             barrier()
             t = time.perf_counter()
-            if peer in syncers:
-                syncers[peer].release(0)
-                syncers[peer].wait(0)
-            else:
-                bare[peer](buf)
+            for _ in range(batch):
+                if peer in syncers:
+                    syncers[peer].release(0)
+                    syncers[peer].wait(0)
+                else:
+                    bare[peer](buf)
             return t, time.perf_counter()
 
-        for i in range(warm_up_rounds(nbytes, cfg["repeats"][k])):
+        for i in range(warm_up_alternations(nbytes, cfg["repeats"][k])):
             for peer in order(peers, i):
                 once(peer)
         for s in spans.values():

@@ -133,7 +133,8 @@ def allreduce_table(sizes: str, workers: str, repeats: int, json_path: str | Non
         if repeats < 1:
             raise ValueError(f"--repeats must be positive, got {repeats}")
     click.echo(f"machine: {cpu_name_and_blas()}, loopback; allreduce (sum, in place) of float32 "
-               "vectors, the slowest rank's time, median of alternating repeats")
+               "vectors, the time a round from the last rank's start to the last rank's end, "
+               "median of alternating repeats (each up to 64 rounds back to back)")
     header: list[str] = []
 
     def say(row) -> None:
