@@ -254,6 +254,35 @@ def test_bench_comm_allreduce_times_a_collective_from_its_last_ranks_start():
     assert warm_up_alternations(64 << 20, 8) == 8       # as many as are timed, one round each
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None
+                    and importlib.util.find_spec("mpi4py") is None,
+                    reason="needs PyTorch or MPI (the engines and the barrier)")
+def test_bench_comm_allreduce_runs_every_peer_and_times_a_round(tmp_path):
+    """End to end, two processes a set: every peer's row, each scheme's sum within its
+    round (a sum is one span a round inside the round's batch: a mis-grouped one would read
+    64 rounds' time), and the engine's ratio over its own bare call."""
+    from poseidon_cli.benches.allreduce import ENGINE_OF, SCHEMES
+    out = tmp_path / "allreduce.json"
+    done = run("bench", "comm", "--allreduce", "--workers", "2", "--sizes", "4K",
+               "--repeats", "1", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    [row] = report["rows"]
+    assert (row["workers"], row["bytes"], row["rounds_per_repeat"], row["repeats"]) == \
+        (2, 4096, 64, 5)
+    peers = report["notes"]["peers"]
+    schemes = [p for p in peers if p in SCHEMES]
+    assert set(row["seconds"]) == set(peers) | {f"{s}: sum" for s in schemes}
+    assert all(0 < t < 1 for t in row["seconds"].values()), row["seconds"]
+    for s in schemes:
+        assert row["seconds"][f"{s}: sum"] <= row["seconds"][s]
+    engines = [s for s in ENGINE_OF if s in peers]
+    assert engines and set(row["engine_over_bare"]) == set(engines)
+    for s in engines:
+        assert row["engine_over_bare"][s] == pytest.approx(
+            row["seconds"][s] / row["seconds"][ENGINE_OF[s]])
+
+
 def test_bench_train_poseidon_side(monkeypatch, tmp_path):
     from poseidon_cli.benches import time as bench_time
     from poseidon_cli.benches import train as bench_train
