@@ -9,10 +9,10 @@ release of a layer of that size to its sum in the diffs: for ring and hd through
 progress thread; an engine's, the round's last unit, summed on the releasing thread; the
 mean is the solver update's, folded into the pass it makes anyway), and, beside them, its
 engine called bare: torch.distributed's all_reduce on a Gloo process group, mpi4py's
-Allreduce on MPI_COMM_WORLD, as a user's script would, on the engine scheme's own vector. Each repeat runs every peer once,
-each after a barrier, in an order of its own (``alternation.order``: a peer runs slower
-after one whose threads are still winding down, gloo's say, and so each follows every
-other one alike). A repeat is a batch of rounds back to back (``rounds_per_repeat``), as a
+Allreduce on MPI_COMM_WORLD, as a user's script would, on the engine scheme's own vector.
+Each repeat runs every peer once, each after a barrier, in an order of its own
+(``alternation.order``: a peer runs slower after one whose threads are still winding down,
+gloo's say, and so each follows every other one alike). A repeat is a batch of rounds back to back (``rounds_per_repeat``), as a
 training step releases its layers; its time per round runs from the start of its last rank
 to the end of its last (``collective_time``), after a warm-up (``warm_up_alternations``),
 and the row gives the median over the repeats. A scheme is timed twice over:
@@ -262,7 +262,7 @@ def child(config_path: str, rank_arg: str | None) -> None:
             syncers[scheme], diffs[scheme] = layer_syncer(scheme, nbytes, rank, world, base,
                                                           key)
         # the bare call sums the engine scheme's own diff: on another vector allocated alike,
-        # mpi4py's 64 MB Allreduce took 1.3-1.4x as long here (two ranks; on this one, the
+        # mpi4py's 64 MB Allreduce took 1.2-1.5x as long here (two ranks; on this one, the
         # scheme's time), and the rows compare the paths to the engine, not two buffers
         buf = next(diffs[s] for s in ENGINE_OF if s in diffs)
         row: dict[str, list[tuple[float, float]]] = {peer: [] for peer in peers}
