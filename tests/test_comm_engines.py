@@ -94,18 +94,24 @@ def test_auto_prices_an_engine_by_its_probe():
 
 def test_a_recorded_engine_plan_is_followed_refused_or_replaced_saying_why():
     recorded = make_plan(LAYERS, 2, PlanOptions(comm="gloo", engines=(engine(),))).to_pb()
-    here = PlanOptions(trusted_engines=("gloo",), engine_versions=(("gloo", "torch 9"),))
+    here = PlanOptions(trusted_engines=("gloo",),
+                       engine_versions=(("gloo", "torch 9", "ring"),))
     pinned = pin_plan(recorded, LAYERS, 2, here)
     assert {s for _, s in pinned.units} == {"gloo"} and pinned.used_engines[0].version == "torch 9"
     with pytest.raises(EngineMismatch, match=r"it sums on gloo torch 9 \(ring\), this run has "
-                                             r"torch 10"):
-        pin_plan(recorded, LAYERS, 2, PlanOptions(trusted_engines=("gloo",),
-                                                  engine_versions=(("gloo", "torch 10"),)))
+                                             r"torch 10 \(ring\)"):
+        pin_plan(recorded, LAYERS, 2, PlanOptions(trusted_engines=("gloo",), engine_versions=(
+            ("gloo", "torch 10", "ring"),)))
+    # the same version summing in another order (a user's MPIR_CVAR_... or NCCL_ALGO)
+    with pytest.raises(EngineMismatch, match=r"it sums on gloo torch 9 \(ring\), this run has "
+                                             r"torch 9 \(tree\): another version or algorithm"):
+        pin_plan(recorded, LAYERS, 2, PlanOptions(trusted_engines=("gloo",), engine_versions=(
+            ("gloo", "torch 9", "tree"),)))
     with pytest.raises(EngineMismatch, match="this run cannot run gloo"):
         pin_plan(recorded, LAYERS, 2, PlanOptions(trusted_engines=("gloo",)))
     with pytest.raises(PlanMismatch, match="authenticates nothing, and this run does not allow "
                                            r"it \(give --comm gloo or --trusted-network\)"):
-        pin_plan(recorded, LAYERS, 2, PlanOptions(engine_versions=(("gloo", "torch 9"),)))
+        pin_plan(recorded, LAYERS, 2, PlanOptions(engine_versions=(("gloo", "torch 9", "ring"),)))
 
 
 @pytest.mark.parametrize("comm, trusted, wire, allowed, required", [
@@ -710,16 +716,21 @@ def test_a_resumed_and_a_pinned_gloo_run_reproduce_the_bits(digits_db, tmp_path)
     for name in ("resumed", "pinned"):
         same_bits(tmp_path / "straight_iter_10.caffemodel", tmp_path / f"{name}_iter_10.caffemodel")
 
-    # a plan made on another version of the engine is refused, naming both
-    edited = tmp_path / "other_version.prototxt"
-    edited.write_text(plan.read_text().replace('version: "torch ', 'version: "torch 0.'))
-    done = run(["train", "--solver", str(solvers["pinned"]), *gloo, "--plan", str(edited),
-                "--timeout", "30"])
-    errors = [l for l in done.stderr.splitlines() if l.startswith("poseidon: error:")]
-    assert done.returncode != 0 and len(errors) == 1, done.stderr[-2000:]
-    assert f"--plan {edited}: it sums on gloo torch 0." in errors[0]
-    assert f", this run has {GlooBackend.version()}: another version may sum in another " \
-           "order" in errors[0]
+    # a plan made on another version of the engine, or with another algorithm pinned, is
+    # refused, naming both
+    here = f"this run has {GlooBackend.version()} ({GlooBackend.algorithm()}): another " \
+        "version or algorithm may sum in another order"
+    for name, edit, says in [
+            ("other_version", ('version: "torch ', 'version: "torch 0.'), "gloo torch 0."),
+            ("other_algorithm", ('algorithm: "ring"', 'algorithm: "tree"'), "(tree)")]:
+        edited = tmp_path / f"{name}.prototxt"
+        edited.write_text(plan.read_text().replace(*edit))
+        done = run(["train", "--solver", str(solvers["pinned"]), *gloo, "--plan", str(edited),
+                    "--timeout", "30"])
+        errors = [l for l in done.stderr.splitlines() if l.startswith("poseidon: error:")]
+        assert done.returncode != 0 and len(errors) == 1, done.stderr[-2000:]
+        assert f"--plan {edited}: it sums on gloo " in errors[0] and says in errors[0]
+        assert here in errors[0], errors[0]
 
 
 @needs_gloo

@@ -305,9 +305,9 @@ class PlanOptions:
     #: this run may sum on these engines (--comm names one, or --trusted-network); a recorded
     #: plan that uses another is not followed
     trusted_engines: tuple[str, ...] = ()
-    #: this run's version of each engine it may use, where it has one (a recorded plan made
-    #: on another is refused)
-    engine_versions: tuple[tuple[str, str], ...] = ()
+    #: this run's (name, version, pinned algorithm) of each engine it may use, where it has
+    #: one (a recorded plan made on another version or algorithm is refused)
+    engine_versions: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def wire_itemsize(self) -> int:
@@ -388,10 +388,11 @@ def pin_plan(recorded: pb.Plan, layers: Sequence[LayerInfo], world: int,
 def recorded_engines(recorded: pb.Plan, options: PlanOptions) -> tuple[EngineCost, ...]:
     """The engines a recorded plan sums on, as it recorded them (its probes price them).
     PlanMismatch where this run does not allow one; EngineMismatch where this run has
-    another version of one, or none."""
+    another version of one, pins another algorithm (a user's MPICH or NCCL variable), or has
+    none."""
     used = {u.scheme for u in recorded.units if u.scheme in SCHEMES and SCHEMES[u.scheme].engine}
     specs = {e.name: e for e in recorded.engines}
-    versions = dict(options.engine_versions)
+    builds = {name: (version, algorithm) for name, version, algorithm in options.engine_versions}
     out = []
     for name in sorted(used):
         spec = specs.get(name)
@@ -400,11 +401,14 @@ def recorded_engines(recorded: pb.Plan, options: PlanOptions) -> tuple[EngineCos
         if name not in options.trusted_engines:
             raise PlanMismatch(f"it sums on {name}, which authenticates nothing, and this run "
                                f"does not allow it (give --comm {name} or --trusted-network)")
-        mine = versions.get(name, "")
-        if mine != spec.version:
-            here = f"this run has {mine}" if mine else f"this run cannot run {name}"
+        mine = builds.get(name)
+        # (a plan recorded without its algorithm is judged by its version alone)
+        if mine is None or mine[0] != spec.version or spec.algorithm and \
+                mine[1] != spec.algorithm:
+            here = f"this run has {mine[0]} ({mine[1]})" if mine else \
+                f"this run cannot run {name}"
             raise EngineMismatch(f"it sums on {name} {spec.version} ({spec.algorithm}), {here}: "
-                                 "another version may sum in another order")
+                                 "another version or algorithm may sum in another order")
         out.append(EngineCost.from_pb(spec, f"{name} as the plan recorded it"))
     return tuple(out)
 

@@ -311,8 +311,8 @@ def plan_options(config: JobConfig, entries: list[Any], allow_sfb: bool, on_gpu:
     workers are, the links (when known), the engines every worker joined (priced by their
     probes) and, with fusion and a ``net``, the backward time of every layer estimated from
     its arithmetic (for --fusion-ms). ``momentum``: what the sparse codec applies (its
-    momentum correction; 0: none). ``versions_of``: the engines whose version this machine
-    is asked for (a recorded plan's). ``crowding``: workers per core on this machine."""
+    momentum correction; 0: none). ``versions_of``: the engines whose version and pinned
+    algorithm this machine is asked for (a recorded plan's). ``crowding``: workers per core on this machine."""
     from engine.comm.planner import DEFAULT_LINK, DEFAULT_LOCAL_LINK, PlanOptions
     from engine.comm.probe import probe_device
     from engine.comm.schemes import SCHEMES
@@ -331,7 +331,7 @@ def plan_options(config: JobConfig, entries: list[Any], allow_sfb: bool, on_gpu:
     for name in versions_of:
         backend = SCHEMES[name].backend if name in SCHEMES and SCHEMES[name].engine else None
         if backend is not None and not backend.missing(on_gpu):
-            versions.append((name, backend.version()))
+            versions.append((name, backend.version(), backend.algorithm()))
     return PlanOptions(
         engines=tuple(engines), trusted_engines=config.engines[0],
         engine_versions=tuple(versions),
