@@ -403,8 +403,8 @@ def recorded_engines(recorded: pb.Plan, options: PlanOptions) -> tuple[EngineCos
                                f"does not allow it (give --comm {name} or --trusted-network)")
         mine = builds.get(name)
         # (a plan recorded without its algorithm is judged by its version alone)
-        if mine is None or mine[0] != spec.version or spec.algorithm and \
-                mine[1] != spec.algorithm:
+        if mine is None or mine[0] != spec.version or (spec.algorithm and
+                                                        mine[1] != spec.algorithm):
             here = f"this run has {mine[0]} ({mine[1]})" if mine else \
                 f"this run cannot run {name}"
             raise EngineMismatch(f"it sums on {name} {spec.version} ({spec.algorithm}), {here}: "

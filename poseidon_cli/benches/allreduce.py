@@ -148,10 +148,11 @@ def run(workers: list[int], sizes: list[int], budget: int,
                     got = [t[str(nbytes)] for t in times]
                     reps[nbytes] = len(got[0][peers[0]])
                     batch = rounds_per_repeat(nbytes)
-                    seconds[nbytes].update({
-                        peer: collective_time([t[peer] for t in got], *(
-                            (1, batch) if peer.endswith(": sum") else (batch, 1)))
-                        for peer in got[0]})
+                    for peer in got[0]:  # a peer's span is a batch; a sum's, one round of it
+                        spans = [t[peer] for t in got]
+                        seconds[nbytes][peer] = (
+                            collective_time(spans, spans=batch) if peer.endswith(": sum")
+                            else collective_time(spans, rounds=batch))
             for nbytes in sizes:
                 row = Row(p, nbytes, seconds[nbytes], reps[nbytes], rounds_per_repeat(nbytes))
                 rows.append(row)

@@ -312,7 +312,8 @@ def plan_options(config: JobConfig, entries: list[Any], allow_sfb: bool, on_gpu:
     probes) and, with fusion and a ``net``, the backward time of every layer estimated from
     its arithmetic (for --fusion-ms). ``momentum``: what the sparse codec applies (its
     momentum correction; 0: none). ``versions_of``: the engines whose version and pinned
-    algorithm this machine is asked for (a recorded plan's). ``crowding``: workers per core on this machine."""
+    algorithm this machine is asked for (a recorded plan's). ``crowding``: workers per core
+    on this machine."""
     from engine.comm.planner import DEFAULT_LINK, DEFAULT_LOCAL_LINK, PlanOptions
     from engine.comm.probe import probe_device
     from engine.comm.schemes import SCHEMES
