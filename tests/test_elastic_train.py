@@ -203,9 +203,11 @@ def test_kill_9_of_a_worker_leaves_three_that_go_on_from_the_commit(rank, jobs, 
     """4 workers, kill -9 of one mid-run: the job finishes with 3 and exits 0; from the commit
     on it equals a 3-worker run resumed from it; it lost at most K iterations. For rank 0 the
     log and the snapshots move to the new rank 0 (another process writes them)."""
-    # the kill lands at iteration 2K+2, seen in the log file: 60 leaves it 48 iterations to
-    # land mid-run (with 25, under stress-ng, the run had ended before the kill came)
-    job = Job(tmp_path, digits_db, 4, iters=60)
+    # the kill lands at iteration 2K+2, seen in the log file: 200 leaves it 188 iterations
+    # to land mid-run (with 25, and then with 60, under stress-ng the run had ended before
+    # the test had found the victim: the search of /proc for its port took longer than the
+    # run, at 100-280 iterations a second)
+    job = Job(tmp_path, digits_db, 4, iters=200)
     stats = tmp_path / "stats.json"
     jobs.append(job.start("--min-workers", "3", "--backoff", "600", "--stats", str(stats)))
     job.wait_for(r"Elastic generation 1: 4 workers")
