@@ -772,7 +772,9 @@ def test_kill_9_of_a_gloo_worker_leaves_three_that_go_on_from_the_commit(jobs, d
                                                                         tmp_path):
     """The elastic job rebuilds the Gloo group for each generation; from the commit on it
     equals a 3-worker gloo run resumed from it, bit for bit."""
-    job = Job(tmp_path, digits_db, 4, iters=20)
+    # the kill lands at iteration 2K+2: 60 leaves it 48 iterations to land mid-run (with 20,
+    # under stress-ng, the run had ended before the test had found the victim)
+    job = Job(tmp_path, digits_db, 4, iters=60)
     jobs.append(job.start("--min-workers", "3", "--backoff", "600", "--comm", "gloo"))
     job.wait_for(r"Elastic generation 1: 4 workers")
     victim = job.member(1)

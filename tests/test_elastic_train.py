@@ -112,10 +112,13 @@ class Job:
         raise AssertionError(f"{pattern!r} not seen in {self.log}:\n{self.tail()}")
 
     def member(self, i: int, limit: float = LINE_S) -> int:
-        """The pid of the worker listening at slot ``i``'s port (it binds it per generation)."""
+        """The pid of the worker listening at slot ``i``'s port (it binds it per generation),
+        looked for among the job's own processes: a search of every process took longer
+        under stress-ng than a short run."""
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
-            owner = port_owner(self.port(i))
+            assert self.proc is not None
+            owner = port_owner(self.port(i), tree(self.proc.pid))
             if owner is not None:
                 return int(owner.split()[1])
             time.sleep(0.05)
@@ -350,7 +353,7 @@ def test_a_flapping_worker_backs_off_then_is_excluded_and_the_job_goes_on(jobs, 
     deadline = time.monotonic() + 4 * LINE_S
     while not re.search(excluded, job.text()):
         assert time.monotonic() < deadline, job.tail()
-        owner = port_owner(job.port(3))
+        owner = port_owner(job.port(3), tree(job.proc.pid))
         if owner is not None:
             os.kill(int(owner.split()[1]), signal.SIGKILL)
         time.sleep(0.02)

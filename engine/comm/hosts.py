@@ -19,7 +19,7 @@ import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 from .errors import CommError
 
@@ -239,9 +239,11 @@ def is_local_host(host: str, local: set[str] | None = None) -> bool:
     return host in local or host.startswith("127.")
 
 
-def port_owner(port: int) -> str | None:
+def port_owner(port: int, among: Iterable[int] | None = None) -> str | None:
     """'pid 123 (python3)' for the process listening on TCP ``port`` here, when /proc tells
-    (Linux, and a process this user may inspect); None otherwise."""
+    (Linux, and a process this user may inspect); None otherwise. ``among``: only these
+    pids are looked at (reading every process's descriptors takes seconds on a busy
+    machine)."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -254,7 +256,8 @@ def port_owner(port: int) -> str | None:
                 inodes.add(f"socket:[{f[9]}]")
     if not inodes:
         return None
-    for proc in Path("/proc").iterdir():
+    procs = Path("/proc").iterdir() if among is None else (Path(f"/proc/{p}") for p in among)
+    for proc in procs:
         if not proc.name.isdigit():
             continue
         try:
