@@ -194,12 +194,13 @@ class Collective:
             raise EngineError(f"{self.name}: {what} failed: {_first_line(box['error'])}")
         return box["value"]
 
-    def submit(self, seq: int, vec: Any, done: Callable[[], None], what: str,
+    def submit(self, seq: int, vec: Any, done: Callable[[], None] | None, what: str,
                here: bool = False, abort: Callable[[], None] | None = None) -> None:
         """Allreduce ``vec`` in place as operation ``seq`` of the job's one order (0, 1, 2,
         ...); ``done()`` once complete (on an engine's thread, or on this one). One submitted
         ``here`` (the round's last: its caller waits for it anyway) waits here for its turn,
-        is issued and waited for here, and is complete when this returns, on any engine. Else
+        is issued and waited for here, and is complete when this returns, on any engine (its
+        ``done`` may be None). Else
         a blocking engine's op goes to the engine thread, but a small one is summed here when
         it is its turn and that thread is idle; another engine's is issued here when it is
         its turn (a thread hand-off at every release costs a scheduling delay where the cores
@@ -221,7 +222,7 @@ class Collective:
         with self._order:
             self._take(seq, vec, done, what)
 
-    def _take_here(self, seq: int, vec: Any, done: Callable[[], None], what: str,
+    def _take_here(self, seq: int, vec: Any, done: Callable[[], None] | None, what: str,
                    abort: Callable[[], None] | None) -> None:
         """Op ``seq`` issued on this thread in its turn, and waited for here: its turn comes
         when the thread that issues the op before it says so (a blocking engine's op before
@@ -232,7 +233,8 @@ class Collective:
         mine = None
         while True:
             if self._next == seq or self.failed is not None:
-                if self._order.acquire(timeout=0.5):
+                # (a timed acquire costs the round twice an untimed one's call)
+                if self._order.acquire(False) or self._order.acquire(timeout=0.5):
                     try:
                         if self._next == seq or self.failed is not None:
                             mine = self._take(seq, vec, done, what, True)
@@ -259,14 +261,14 @@ class Collective:
                     self.backend.finish(handle)
             except Exception as e:
                 self._fail(what, e)
-            if self.failed is None:
+            if self.failed is None and on_done is not None:
                 on_done()
         if self.failed is not None:
             if abort is not None:
                 abort()  # the job's error, where the engine's failure made one
             raise CommError(self.failed)
 
-    def _take(self, seq: int, vec: Any, done: Callable[[], None], what: str,
+    def _take(self, seq: int, vec: Any, done: Callable[[], None] | None, what: str,
               here: bool = False) -> tuple[Any, Callable[[], None]] | None:
         """Op ``seq`` held until its turn; in its turn, issued, and then every held op whose
         turn follows (under ``_order``: no op is held in its turn). With ``here``, op ``seq``,
@@ -286,7 +288,7 @@ class Collective:
             vec, done, what = op
         return mine
 
-    def _issue(self, vec: Any, on_done: Callable[[], None], what: str,
+    def _issue(self, vec: Any, on_done: Callable[[], None] | None, what: str,
                waited: bool = False) -> tuple[Any, Callable[[], None]] | None:
         """Issue one op; with ``waited``, return (its handle, its completion) for the thread
         that waits for it rather than arrange its report."""
@@ -300,7 +302,8 @@ class Collective:
 
             def on_done() -> None:
                 tl.complete(f"{self.name} {what}", "allreduce", began)
-                inner()
+                if inner is not None:
+                    inner()
         try:
             handle = self.backend.start(vec)
             if waited:

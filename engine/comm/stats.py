@@ -81,32 +81,36 @@ class CommStats:
         """The logged rounds into the counters (under the lock). A layer's round R is released
         after its forward, which waited for every layer's round R-1: rounds before R-1 are
         complete, and folding them keeps a long run's counters (and each display's summary)
-        as small as its first rounds'. Folded two further back, for a margin."""
+        as small as its first rounds'. Folded two further back, for a margin. (Every round
+        of a small allreduce passes here: a round of one unit is folded without its list.)"""
         log, intervals, rounds, wait = self._log, self._intervals, self._rounds, self._wait
+        folded, below = self._folded, self._folded_below
         top = -1
         for _ in range(len(log)):
             layer, rnd, released, applied, waited = log.popleft()
             if waited:
                 wait[layer] += waited
-            if rnd >= self._folded_below:
+            if rnd >= below:
                 intervals[rnd].append((layer, released, applied))
-            else:  # a round already folded: its interval alone
-                self._fold([(layer, released, applied)], rounds=0)
+            elif applied > released:  # a round already folded: its interval alone
+                folded[1] += applied - released
             if rounds[layer] <= rnd:
                 rounds[layer] = rnd + 1
             if rnd > top:
                 top = rnd
-        if top - 2 > self._folded_below:
-            self._folded_below = top - 2
-            for r in [r for r in intervals if r < top - 2]:
-                self._fold(intervals.pop(r))
-
-    def _fold(self, intervals: list[tuple[int, float, float]], rounds: int = 1) -> None:
-        c, h = _overlap(intervals)
-        folded = self._folded
-        folded[0] += rounds
-        folded[1] += c
-        folded[2] += h
+        if top - 2 > below:
+            self._folded_below = below = top - 2
+            for r in [r for r in intervals if r < below]:
+                ivs = intervals.pop(r)
+                folded[0] += 1
+                if len(ivs) == 1:  # _overlap's first case, without its call
+                    _, released, applied = ivs[0]
+                    if applied > released:
+                        folded[1] += applied - released
+                else:
+                    c, h = _overlap(ivs)
+                    folded[1] += c
+                    folded[2] += h
 
     def note_round(self, layer: int, rnd: int) -> None:
         """Round ``rnd`` of ``layer`` took place (per-iteration averages divide by the count)."""

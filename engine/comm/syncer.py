@@ -219,7 +219,7 @@ class Syncer:
         t = now()
         with self._lock:
             rnd = self._released[layer]
-            self._released[layer] += 1
+            self._released[layer] = rnd + 1
             request = self._request_out
             if layer == self._last_layer:  # sent with (at least) this round's last layer
                 self._request_out &= ~request  # not = 0: a signal may have come meanwhile

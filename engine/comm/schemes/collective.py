@@ -104,10 +104,6 @@ class _Issued:
         return 1 if self.flags is None else 2
 
 
-def _nothing() -> None:
-    """The completion of an op its submitter waits for (``submit``'s ``here``)."""
-
-
 class CollectiveScheme(DenseScheme):
     """A dense scheme whose sums a collective engine makes (one class per backend)."""
 
@@ -130,6 +126,7 @@ class CollectiveScheme(DenseScheme):
             raise EngineError(f"{self.name} sums float32 gradients on the engine: it has no "
                               f"{self.host.codec.name} wire")
         self.collective: Collective = host.collectives[self.name]
+        self._abort = host.raise_if_failed  # (bound once: a round's wait is given it)
         # release order: backward completes the highest unit first, on every worker alike
         ordered = sorted(self.units, reverse=True)
         self._position = {uid: k for k, uid in enumerate(ordered)}
@@ -183,7 +180,8 @@ class CollectiveScheme(DenseScheme):
         the host first and issued from the progress thread (``start``). The round's last
         unit (the signal unit: backward is over, and the next forward needs it first) is
         waited for and applied here, without a hand-off to the progress thread and back."""
-        vec = self._placed_vector(unit)
+        placed_at = self._placed.get(unit.id)  # (``_placed_vector``, a call fewer a round)
+        vec = placed_at.vector() if placed_at is not None else None
         placed = vec is not None  # summed in place: nothing to scatter
         if not placed:
             staged = super().capture(unit, rnd, bits)
@@ -192,7 +190,7 @@ class CollectiveScheme(DenseScheme):
             vec = self._gathered(unit)
         began = time.perf_counter()
         if unit.id == self.signal_unit:
-            vec, flags = self._issue(unit, rnd, vec, bits, _nothing, True)
+            vec, flags = self._issue(unit, rnd, vec, bits, None, True)
             return Finished(self._summed(unit, began, vec, flags, placed))
         issued = _Issued(self.host, began, placed)
         issued.vec, issued.flags = self._issue(unit, rnd, vec, bits, issued.completed)
@@ -235,10 +233,10 @@ class CollectiveScheme(DenseScheme):
         box.extend(self._issue(unit, rnd, vec, bits, post))
 
     def _issue(self, unit: Unit, rnd: int, vec: Any, bits: int,
-               done: Callable[[], None], here: bool = False) -> tuple[Any, Any]:
+               done: Callable[[], None] | None, here: bool = False) -> tuple[Any, Any]:
         """Submit a unit's round (and, for the signal unit, its signals); ``done()`` once per
-        op submitted (``here``: a blocking engine sums them on this thread, in their turn).
-        (the vector summed, the signal vector or None)."""
+        op submitted (``here``: they are summed on this thread, in their turn, and ``done``
+        may be None). (the vector summed, the signal vector or None)."""
         flags = None
         if unit.id == self.signal_unit:
             if self._signal_tail is None:
@@ -250,7 +248,7 @@ class CollectiveScheme(DenseScheme):
                 self._signal_tail[:] = self._signal_rows[bits & _SIGNAL_MASK]
                 vec = buf
         first = rnd * self._ops_per_round
-        abort = self.host.raise_if_failed if here else None
+        abort = self._abort if here else None
         self.collective.submit(first + self._position[unit.id], vec, done,
                                f"{unit.name} round {rnd}", here, abort)
         if flags is not None:

@@ -93,11 +93,12 @@ class MpiBackend(Backend):
                 f"MPI's world has {world_comm.Get_size()} ranks and this is its rank "
                 f"{world_comm.Get_rank()}, but this worker is rank {rank} of {world}: start "
                 "every worker with one `mpiexec -n N poseidon train ... --comm mpi`")
-        self.MPI = MPI
         self.comm = world_comm.Dup()
+        # bound once: a small layer's round pays for each lookup
+        self._allreduce, self._in_place, self._sum = self.comm.Allreduce, MPI.IN_PLACE, MPI.SUM
 
     def start(self, vec: Any) -> None:
-        self.comm.Allreduce(self.MPI.IN_PLACE, vec, op=self.MPI.SUM)
+        self._allreduce(self._in_place, vec, self._sum)
 
     def then(self, handle: Any, done: Callable[[BaseException | None], None]) -> bool:
         done(None)  # blocking: complete already, reported from the engine thread
