@@ -211,12 +211,14 @@ def test_a_blocking_engines_small_op_in_its_turn_is_summed_by_the_thread_that_su
         c.submit(1, np.full(100, 1), done.release, "large")
         assert done.acquire(timeout=5)
         c.submit(3, np.array([3]), done.release, "small, before its turn")
+        deadline = time.monotonic() + 5  # the engine thread holds it until its turn
+        while 3 not in c._early:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
         c.submit(2, np.array([2]), done.release, "small, in turn")
-        for _ in range(2):
-            assert done.acquire(timeout=5)
+        assert done.acquire(timeout=0) and done.acquire(timeout=0)  # both, on this thread
         assert c.backend.order == [0, 1, 2, 3]
-        assert (c.backend.ran_on[0], c.backend.ran_on[1], c.backend.ran_on[2]) == \
-            (me, "poseidon-recorder", me)
+        assert [c.backend.ran_on[k] for k in range(4)] == [me, "poseidon-recorder", me, me]
     finally:
         c.close()
 
@@ -229,7 +231,7 @@ class _SlowRecorder(_InlineRecorder):
 
 
 def test_a_blocking_engines_last_op_waits_here_for_its_turn_and_is_summed_here():
-    """The round's last op (``here``), whatever its size: it waits for the ops before it,
+    """The round's last op (``sum_here``), whatever its size: it waits for the ops before it,
     which the engine thread sums, and is then summed on the thread that submitted it."""
     c = Collective(_SlowRecorder, b"", 0, 2, "127.0.0.1", 5.0, lambda why: None)
     me = threading.current_thread().name
@@ -237,8 +239,8 @@ def test_a_blocking_engines_last_op_waits_here_for_its_turn_and_is_summed_here()
         done = threading.Semaphore(0)
         for seq in (0, 1):
             c.submit(seq, np.full(100, seq), done.release, f"large {seq}")
-        c.submit(2, np.full(100, 2), done.release, "the last, large", here=True)
-        assert done.acquire(timeout=0) and done.acquire(timeout=0) and done.acquire(timeout=0)
+        c.sum_here(2, np.full(100, 2), "the last, large")
+        assert done.acquire(timeout=0) and done.acquire(timeout=0)
         assert c.backend.order == [0, 1, 2]
         assert [c.backend.ran_on[k] for k in range(3)] == ["poseidon-recorder"] * 2 + [me]
     finally:
@@ -270,7 +272,7 @@ class _ReportingRecorder(_Recorder):
 
 
 def test_a_reporting_engines_last_op_is_waited_for_on_the_thread_that_submits_it():
-    """The round's last op (``here``) of an engine that reports on its own thread is waited
+    """The round's last op (``sum_here``) of an engine that reports on its own thread is waited
     for where it was submitted, as a bare call's: its completion runs there, with no report
     from the engine's thread. One that comes before its turn waits for it (issued by another
     thread: a GPU's staged units are issued from the progress thread) and is then issued and
@@ -283,27 +285,26 @@ def test_a_reporting_engines_last_op_is_waited_for_on_the_thread_that_submits_it
         done = threading.Semaphore(0)
         ran: list[str] = []
         c.submit(0, np.array([0]), done.release, "op 0")
-        c.submit(1, np.array([1]), lambda: ran.append(threading.current_thread().name),
-                 "the last", here=True)
-        assert ran == [me]  # complete when submit returns, on this thread
+        c.sum_here(1, np.array([1]), "the last")
+        ran.append(threading.current_thread().name)
+        assert ran == [me]  # complete when sum_here returns, on this thread
         assert c.backend.reported == [0] and c.backend.finished_on == {1: me}
         assert done.acquire(timeout=5)
-        early = threading.Thread(target=c.submit, name="early", args=(
-            3, np.array([3]), done.release, "the last, early", True))
+        early = threading.Thread(target=c.sum_here, name="early", args=(
+            3, np.array([3]), "the last, early"))
         early.start()
         time.sleep(0.2)  # waiting for its turn
         assert c.backend.order == [0, 1] and early.is_alive()
         c.submit(2, np.array([2]), done.release, "op 2")
         early.join(timeout=5)
-        for _ in range(2):
-            assert done.acquire(timeout=5)
+        assert done.acquire(timeout=5)
         assert c.backend.order == [0, 1, 2, 3] and c.backend.reported == [0, 2]
         assert c.backend.finished_on[3] == "early"
         c.backend.fail_finish = True
         applied: list[int] = []
         with pytest.raises(CommError, match="Connection reset by peer"):
-            c.submit(4, np.array([4]), lambda: applied.append(4), "the last of round 2",
-                     here=True)
+            c.sum_here(4, np.array([4]), "the last of round 2")
+            applied.append(4)
         assert not applied
         assert errors == [c.failed] and c.failed == (
             "the recorder allreduce of the last of round 2 failed: Connection reset by peer")
@@ -334,11 +335,11 @@ def test_a_last_op_waiting_for_its_turn_gives_up_with_the_cause():
         c.submit(0, np.full(100, 0), lambda: None, "large 0")
         t = time.monotonic()
         with pytest.raises(CommError, match="worker 1 stopped answering"):
-            c.submit(1, np.full(100, 1), lambda: None, "the last", here=True, abort=gone)
+            c.sum_here(1, np.full(100, 1), "the last", abort=gone)
         assert time.monotonic() - t < 0.9  # before the timeout
         t = time.monotonic()
         with pytest.raises(EngineError, match="the last waited 1 s for the allreduces before it"):
-            c.submit(1, np.full(100, 1), lambda: None, "the last", here=True)
+            c.sum_here(1, np.full(100, 1), "the last")
         assert time.monotonic() - t < 5
         _StuckRecorder.release.set()  # op 0 now fails: the next waiter returns at once
         deadline = time.monotonic() + 5
@@ -347,7 +348,7 @@ def test_a_last_op_waiting_for_its_turn_gives_up_with_the_cause():
         assert "op 0 failed" in (c.failed or "")
         t = time.monotonic()
         with pytest.raises(CommError, match="op 0 failed"):
-            c.submit(1, np.full(100, 1), lambda: None, "the last", here=True)
+            c.sum_here(1, np.full(100, 1), "the last")
         assert time.monotonic() - t < 0.9
         assert c.backend.order == []  # nothing issued after the failure
     finally:

@@ -165,7 +165,7 @@ class Collective:
         self._next = 0
         self._early: dict[int, tuple[Any, Callable[[], None], str]] = {}
         self._order = threading.Lock()
-        #: set when an op is issued while ``_take_here`` waits for its turn (``_waiting``: a
+        #: set when an op is issued while ``sum_here`` waits for its turn (``_waiting``: a
         #: plain flag, read in every issue where the Event's own is a call)
         self._advanced = threading.Event()
         self._waiting = False
@@ -194,21 +194,13 @@ class Collective:
             raise EngineError(f"{self.name}: {what} failed: {_first_line(box['error'])}")
         return box["value"]
 
-    def submit(self, seq: int, vec: Any, done: Callable[[], None] | None, what: str,
-               here: bool = False, abort: Callable[[], None] | None = None) -> None:
+    def submit(self, seq: int, vec: Any, done: Callable[[], None], what: str) -> None:
         """Allreduce ``vec`` in place as operation ``seq`` of the job's one order (0, 1, 2,
-        ...); ``done()`` once complete (on an engine's thread, or on this one). One submitted
-        ``here`` (the round's last: its caller waits for it anyway) waits here for its turn,
-        is issued and waited for here, and is complete when this returns, on any engine (its
-        ``done`` may be None). Else
-        a blocking engine's op goes to the engine thread, but a small one is summed here when
-        it is its turn and that thread is idle; another engine's is issued here when it is
-        its turn (a thread hand-off at every release costs a scheduling delay where the cores
-        are busy with backward), else by the op before it. ``abort`` raises the job's error
-        while ``here`` waits."""
-        if here:
-            self._take_here(seq, vec, done, what, abort)
-            return
+        ...); ``done()`` once complete (on an engine's thread, or on this one). A blocking
+        engine's op goes to the engine thread, but a small one is summed here when it is its
+        turn and that thread is idle; another engine's is issued here when it is its turn (a
+        thread hand-off at every release costs a scheduling delay where the cores are busy
+        with backward), else by the op before it."""
         if self.backend_class.blocking:
             if vec.nbytes <= self.backend_class.inline_bytes and self._order.acquire(False):
                 try:  # its turn: every op before it is issued, and so complete
@@ -222,13 +214,15 @@ class Collective:
         with self._order:
             self._take(seq, vec, done, what)
 
-    def _take_here(self, seq: int, vec: Any, done: Callable[[], None] | None, what: str,
-                   abort: Callable[[], None] | None) -> None:
-        """Op ``seq`` issued on this thread in its turn, and waited for here: its turn comes
-        when the thread that issues the op before it says so (a blocking engine's op before
-        it is complete by then, as it is when that thread lets go of the order). Each wait is
-        bounded: by the job's timeout, and by ``abort`` (which raises the job's error); a
-        failure of the engine raises here."""
+    def sum_here(self, seq: int, vec: Any, what: str,
+                 abort: Callable[[], None] | None = None) -> None:
+        """Allreduce ``vec`` in place as operation ``seq``, issued on this thread in its turn
+        and waited for here (the round's last: its caller waits for it anyway), on any
+        engine: complete when this returns. Its turn comes when the thread that issues the
+        op before it says so (a blocking engine's op before it is complete by then, as it is
+        when that thread lets go of the order). Each wait is bounded: by the job's timeout,
+        and by ``abort`` (which raises the job's error); a failure of the engine raises
+        here."""
         deadline = 0.0  # set once it has to wait (a clock read costs the round a call)
         mine = None
         while True:
@@ -237,7 +231,7 @@ class Collective:
                 if self._order.acquire(False) or self._order.acquire(timeout=0.5):
                     try:
                         if self._next == seq or self.failed is not None:
-                            mine = self._take(seq, vec, done, what, True)
+                            mine = self._take(seq, vec, None, what, True)
                             break
                     finally:
                         self._order.release()
@@ -261,7 +255,7 @@ class Collective:
                     self.backend.finish(handle)
             except Exception as e:
                 self._fail(what, e)
-            if self.failed is None and on_done is not None:
+            if self.failed is None and on_done is not None:  # (the timeline's)
                 on_done()
         if self.failed is not None:
             if abort is not None:

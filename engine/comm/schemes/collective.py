@@ -248,13 +248,20 @@ class CollectiveScheme(DenseScheme):
                 self._signal_tail[:] = self._signal_rows[bits & _SIGNAL_MASK]
                 vec = buf
         first = rnd * self._ops_per_round
-        abort = self._abort if here else None
-        self.collective.submit(first + self._position[unit.id], vec, done,
-                               f"{unit.name} round {rnd}", here, abort)
+        self._submit(first + self._position[unit.id], vec, f"{unit.name} round {rnd}", done,
+                     here)
         if flags is not None:
-            self.collective.submit(first + self._ops_per_round - 1, flags, done,
-                                   f"the signals of round {rnd}", here, abort)
+            self._submit(first + self._ops_per_round - 1, flags, f"the signals of round {rnd}",
+                         done, here)
         return vec, flags
+
+    def _submit(self, seq: int, vec: Any, what: str, done: Callable[[], None] | None,
+                here: bool) -> None:
+        if here:
+            self.collective.sum_here(seq, vec, what, self._abort)
+        else:
+            assert done is not None
+            self.collective.submit(seq, vec, done, what)
 
     def _agreed(self, unit: Unit, vec: Any, flags: Any) -> int:
         """The signal bits every worker raised this round (the signal unit's; 0 else)."""
