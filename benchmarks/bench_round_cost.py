@@ -33,7 +33,7 @@ def child(args: argparse.Namespace) -> None:
 
     from engine.comm.auth import job_key
     from engine.comm.schemes.mpi import init_mpi
-    from poseidon_cli.benches.allreduce import layer_syncer
+    from poseidon_cli.benches.allreduce import bare_call, layer_syncer
     from poseidon_cli.options import parse_sizes
 
     MPI = init_mpi()
@@ -56,8 +56,7 @@ def child(args: argparse.Namespace) -> None:
             sync.release(0)
             sync.wait(0)
 
-        peers = {"bare": lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM),
-                 "scheme": scheme}
+        peers = {"bare": bare_call("mpi", sync, buf), "scheme": scheme}
         times: dict[str, list[float]] = {p: [] for p in peers}
         for i in range(args.rounds + 5):  # the first five warm up
             for name in (("bare", "scheme") if i % 2 else ("scheme", "bare")):

@@ -9,7 +9,8 @@ release of a layer of that size to its sum in the diffs: for ring and hd through
 progress thread; an engine's, the round's last unit, summed on the releasing thread; the
 mean is the solver update's, folded into the pass it makes anyway), and, beside them, its
 engine called bare: torch.distributed's all_reduce on a Gloo process group, mpi4py's
-Allreduce on MPI_COMM_WORLD, as a user's script would, on the engine scheme's own vector.
+Allreduce, as a user's script would, on the engine scheme's own group (communicator) and
+vector (``bare_call``).
 Each repeat runs every peer once, each after a barrier, in an order of its own
 (``alternation.order``: a peer runs slower after one whose threads are still winding down,
 gloo's say, and so each follows every other one alike). A repeat is a batch of rounds back to back (``rounds_per_repeat``), as a
@@ -253,7 +254,7 @@ def child(config_path: str, rank_arg: str | None) -> None:
     rank = int(os.environ["PMI_RANK"]) if rank_arg is None else int(rank_arg)
     key = job_key(None)
     assert key is not None
-    barrier, bare = _bare_peers(peers, rank, world, cfg["base"])
+    barrier = _barrier(peers, rank, world, cfg["base"])
     times: dict[str, dict[str, list[float]]] = {}
     per_size = 2 * world + 2
     for k, nbytes in enumerate(cfg["sizes"]):
@@ -262,10 +263,8 @@ def child(config_path: str, rank_arg: str | None) -> None:
             base = cfg["base"] + 2 + (k * len(SCHEMES) + j) * per_size
             syncers[scheme], diffs[scheme] = layer_syncer(scheme, nbytes, rank, world, base,
                                                           key)
-        # the bare call sums the engine scheme's own diff: on another vector allocated alike,
-        # mpi4py's 64 MB Allreduce took 1.2-1.5x as long here (two ranks; on this one, the
-        # scheme's time), and the rows compare the paths to the engine, not two buffers
-        buf = next(diffs[s] for s in ENGINE_OF if s in diffs)
+        bare = {ENGINE_OF[s]: bare_call(s, syncers[s], diffs[s]) for s in ENGINE_OF
+                if s in syncers}
         row: dict[str, list[tuple[float, float]]] = {peer: [] for peer in peers}
         row.update({f"{s}: sum": [] for s in syncers})
         spans = {}
@@ -283,7 +282,7 @@ def child(config_path: str, rank_arg: str | None) -> None:
                     syncers[peer].release(0)
                     syncers[peer].wait(0)
                 else:
-                    bare[peer](buf)
+                    bare[peer]()
             return t, time.perf_counter()
 
         for i in range(warm_up_alternations(nbytes, cfg["repeats"][k])):
@@ -303,17 +302,11 @@ def child(config_path: str, rank_arg: str | None) -> None:
     barrier()  # every rank wrote its times before any leaves (the launcher ends at the first)
 
 
-def _bare_peers(peers: list[str], rank: int, world: int,
-                port: int) -> tuple[Callable[[], None], dict[str, Callable[[Any], None]]]:
-    """The barrier between measurements, and each engine called bare."""
-    out: dict[str, Callable[[Any], None]] = {}
-    barrier: Callable[[], None] | None = None
+def _barrier(peers: list[str], rank: int, world: int, port: int) -> Callable[[], None]:
+    """The barrier between measurements: MPI's, else torch.distributed's default group's."""
     if BARE[1] in peers:
         from engine.comm.schemes.mpi import init_mpi
-        MPI = init_mpi()
-        comm = MPI.COMM_WORLD
-        out[BARE[1]] = lambda buf: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        barrier = comm.Barrier
+        return init_mpi().COMM_WORLD.Barrier
     if BARE[0] in peers:
         import datetime
 
@@ -322,11 +315,27 @@ def _bare_peers(peers: list[str], rank: int, world: int,
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=120))
-        out[BARE[0]] = lambda buf: dist.all_reduce(torch.from_numpy(buf))
-        barrier = barrier or dist.barrier
-    if barrier is None:
-        raise RuntimeError("bench comm --allreduce needs PyTorch or MPI for its barrier")
-    return barrier, out
+        return dist.barrier
+    raise RuntimeError("bench comm --allreduce needs PyTorch or MPI for its barrier")
+
+
+def bare_call(scheme: str, syncer: Any, diff: np.ndarray) -> Callable[[], None]:
+    """The engine under ``scheme`` called bare, as a user's script calls it (torch.distributed's
+    all_reduce on a Gloo process group, mpi4py's Allreduce), on the scheme's own group or
+    communicator and its own diff: the same connections and the same buffer, so that a ratio
+    is Poseidon's path alone. (On another vector allocated alike, mpi4py's 64 MB Allreduce
+    took 1.2-1.5x as long here, two ranks; torch.distributed's default group, with a device
+    of its own, took 2.2-2.5 ms for 1 MB where the scheme's own group took 1.4-1.9.)"""
+    [scheme_obj] = syncer._schemes.values()
+    backend = scheme_obj.collective.backend
+    if scheme == "gloo":
+        import torch
+        group, tensors = backend.group, [torch.from_numpy(diff)]
+        return lambda: group.allreduce(tensors).wait()
+    from engine.comm.schemes.mpi import init_mpi
+    MPI = init_mpi()
+    comm = backend.comm
+    return lambda: comm.Allreduce(MPI.IN_PLACE, diff, op=MPI.SUM)
 
 
 if __name__ == "__main__":
