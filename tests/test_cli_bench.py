@@ -258,9 +258,10 @@ def test_bench_comm_allreduce_times_a_collective_from_its_last_ranks_start():
                     and importlib.util.find_spec("mpi4py") is None,
                     reason="needs PyTorch or MPI (the engines and the barrier)")
 def test_bench_comm_allreduce_runs_every_peer_and_times_a_round(tmp_path):
-    """End to end, two processes a set: every peer's row, each scheme's sum within its
-    round (a sum is one span a round inside the round's batch: a mis-grouped one would read
-    64 rounds' time), and the engine's ratio over its own bare call."""
+    """End to end, two processes a set: every peer's row, each scheme's sum about its
+    round's time or less (a sum is one span a round of a batch of its own, timed apart from
+    the rounds, so the bound is loose: a mis-grouped one would read 64 rounds' time), and
+    the engine's ratio over its own bare call."""
     from poseidon_cli.benches.allreduce import ENGINE_OF, SCHEMES
     out = tmp_path / "allreduce.json"
     done = run("bench", "comm", "--allreduce", "--workers", "2", "--sizes", "4K",
@@ -275,7 +276,7 @@ def test_bench_comm_allreduce_runs_every_peer_and_times_a_round(tmp_path):
     assert set(row["seconds"]) == set(peers) | {f"{s}: sum" for s in schemes}
     assert all(0 < t < 1 for t in row["seconds"].values()), row["seconds"]
     for s in schemes:
-        assert row["seconds"][f"{s}: sum"] <= row["seconds"][s]
+        assert row["seconds"][f"{s}: sum"] < 4 * row["seconds"][s]
     engines = [s for s in ENGINE_OF if s in peers]
     assert engines and set(row["engine_over_bare"]) == set(engines)
     for s in engines:

@@ -237,7 +237,8 @@ class DenseScheme(Scheme):
             vec = captured.wait()
         else:
             vec = self._host_vector(unit)
-        spans, began = self.spans, time.perf_counter()
+        spans = self.spans
+        began = time.perf_counter() if spans is not None else 0.0
 
         def finish(total: np.ndarray, bits: int) -> None:
             if spans is not None:
