@@ -258,6 +258,8 @@ class CollectiveScheme(DenseScheme):
 
     def _submit(self, seq: int, vec: Any, what: str, done: Callable[[], None] | None,
                 here: bool) -> None:
+        """One op to the engine: summed on this thread in its turn (``here``), or submitted
+        with its completion."""
         if here:
             self.collective.sum_here(seq, vec, what, self._abort)
         else:
