@@ -92,6 +92,31 @@ def test_auto_prices_an_engine_by_its_probe():
     assert "gloo" not in {s for _, s in slow.units} and not slow.to_pb().engines
 
 
+def test_shm_probed_beside_the_engines_is_priced_as_they_are():
+    """On one machine, shm priced by its cost model takes a layer that its probe shows
+    slower than other schemes; priced from that probe, no layer; a probed round is timed
+    crowded, so nothing is added to it on a crowded machine, as to an engine's."""
+    from engine.comm.cost import Device
+    from engine.comm.engines import probed_timing
+    from engine.comm.planner import plan_layers
+
+    device = Device("cpu", update_bytes_per_s=8e9, gemm_flops_per_s=50e9, add_bytes_per_s=8e9,
+                    update_on_device=False)
+    gloo = (engine(alpha=1e-3, beta=1e-8),)
+    link = Link(150e-6, 1e-9, "probed", overhead_s=80e-6)
+    modelled = plan_layers(LAYERS, 2, "auto", link=link, device=device, machines=1,
+                           engines=gloo, crowding=2.0)
+    assert modelled[0].info.name == "conv1" and modelled[0].scheme == "shm"
+    slow = ring_link(2, 4 << 10, 2e-3, 4 << 20, 30e-3, "shm probe")
+    probed = plan_layers(LAYERS, 2, "auto", link=link, device=device, machines=1,
+                         engines=gloo, crowding=2.0, probed={"shm": slow})
+    assert "shm" not in {p.scheme for p in probed}
+    for p in probed:
+        assert p.timings["shm"] == probed_timing("shm", p.info, 2, slow, device)
+        assert p.timings["shm"].cpu_s == 0 and p.timings["gloo"].cpu_s == 0
+        assert p.timings["shm"].total_s > 1.5e-3  # its 4 KB round took 2 ms
+
+
 def test_a_recorded_engine_plan_is_followed_refused_or_replaced_saying_why():
     recorded = make_plan(LAYERS, 2, PlanOptions(comm="gloo", engines=(engine(),))).to_pb()
     here = PlanOptions(trusted_engines=("gloo",),
@@ -732,6 +757,21 @@ def test_a_resumed_and_a_pinned_gloo_run_reproduce_the_bits(digits_db, tmp_path)
         assert done.returncode != 0 and len(errors) == 1, done.stderr[-2000:]
         assert f"--plan {edited}: it sums on gloo " in errors[0] and says in errors[0]
         assert here in errors[0], errors[0]
+
+
+@needs_gloo
+def test_auto_on_a_trusted_network_probes_shm_beside_the_engines(digits_db, tmp_path):  # noqa: F811
+    """Two workers of one machine: every worker runs shm's probe after the engines' (its
+    rounds through the progress thread), and rank 0 logs its times and plans on them."""
+    hosts, _ = write_hosts(tmp_path, 2, one_machine=True)
+    solver = write_run(tmp_path, digits_db, 8, "auto", iters=4)
+    log = train("--solver", str(solver), "--hosts", str(hosts), "--comm", "auto",
+                "--trusted-network")
+    probe = re.search(r"Shared memory \(shm\) probed beside them: shm probe: 4 KB in (\d+) us, "
+                      r"4 MB in ([\d.]+) ms, 2 workers", log)
+    assert probe is not None, log[-3000:]
+    assert 0 < int(probe[1]) and 0 < float(probe[2]) < 30 * 1e3
+    assert "Collective engine gloo joined" in log and "Communication plan for 2 workers" in log
 
 
 @needs_gloo

@@ -77,7 +77,7 @@ def run(world: int, comm: str, rounds: int = 2, chunk_bytes: int = 64, fusion_by
                     normalize(d, 1, world)
                 done[layer] += 1
 
-            def planner(link, local_link, engines, crowding):
+            def planner(link, local_link, engines, crowding, shm):
                 if crowdings is not None:
                     crowdings.append(crowding)
                 return make_plan(infos, world, PlanOptions(

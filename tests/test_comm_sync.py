@@ -98,7 +98,7 @@ def worker_main(rank, hosts, scheme, rounds, chunk_bytes, backward_s, out, gate=
 
         ep = open_worker(rank, hosts, key=KEY, timeout=10)
         sync = Syncer(ep, layers, update, chunk_bytes=chunk_bytes,
-                      planner=lambda link, local_link, engines, crowding: _plan(len(hosts), scheme, chunk_bytes, link))
+                      planner=lambda link, local_link, engines, crowding, shm: _plan(len(hosts), scheme, chunk_bytes, link))
         applied = None
         for rnd in range(rounds):
             for layer in blobs:                        # forward: per-layer wait

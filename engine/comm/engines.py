@@ -33,6 +33,7 @@ import numpy as np
 from engine import timeline
 from engine.pb import poseidon_pb2 as pb
 
+from .cost import LayerTiming
 from .errors import CommError
 from .link import Link
 
@@ -447,3 +448,15 @@ def ring_time(link: Link, world: int, nbytes: float) -> float:
     """An engine's allreduce of ``nbytes`` on ``world`` workers, on its probed link."""
     steps = 2 * max(world - 1, 1)
     return steps * link.alpha_s + steps / max(world, 1) * nbytes * link.beta_s_per_byte
+
+
+def probed_timing(scheme: str, info: Any, world: int, link: Link, device: Any) -> LayerTiming:
+    """A layer's round on a scheme whose whole round was probed at start-up (``link``, a
+    ring's: ``ring_link``), every worker at once on the machine's cores: its time as measured,
+    the crowding included, so no message of Poseidon's transport is priced on top."""
+    nbytes = info.params * info.itemsize
+    moved = 2 * (world - 1) / world * nbytes
+    span = ring_time(link, world, nbytes)
+    update = device.update_s(nbytes)
+    return LayerTiming(info.name, scheme, moved, moved, span, span, 0.0, 0.0,
+                       0.0 if device.update_on_device else update, update)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from engine.pb import poseidon_pb2 as pb
 
@@ -36,7 +36,7 @@ from .cost import (
     level_timing,
 )
 from .auto_passes import join_buckets, spinning_engine_alone, unify_runs
-from .engines import EngineCost
+from .engines import EngineCost, probed_timing
 from .fusion import buckets
 from .link import Link
 from .schemes import SCHEMES
@@ -106,7 +106,8 @@ def plan_layers(layers: Sequence[LayerInfo], p1: int, comm: str = "auto",
                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, wire_itemsize: int = 4,
                 slots: int = 1, local_link: Link | None = None,
                 machines: int | None = None, fusion: bool = False,
-                engines: Sequence[EngineCost] = (), crowding: float = 1.0) -> list[LayerPlan]:
+                engines: Sequence[EngineCost] = (), crowding: float = 1.0,
+                probed: Mapping[str, Link] | None = None) -> list[LayerPlan]:
     """One plan per layer. ``comm`` (MODE[,LAYER=SCHEME...]) forces a scheme where the layer
     allows it. ``slots`` workers per machine: dense schemes are priced in two levels, the
     machine's own ``local_link`` around the network's ``link``. ``machines``: how many
@@ -117,13 +118,19 @@ def plan_layers(layers: Sequence[LayerInfo], p1: int, comm: str = "auto",
     the CPU a layer's messages cost (the link's overhead at each end) is compute taken from
     the workers that share them: ``crowding`` x that, each worker's share of every worker's
     (measured: 4 workers on 2 cores, FC-heavy net through 1 Gbit/s, ip2 on hd cost rank 0's
-    node 0.9 ms more CPU an iteration than on PS, and 3.3 ms of its 62 ms iteration)."""
+    node 0.9 ms more CPU an iteration than on PS, and 3.3 ms of its 62 ms iteration); and the
+    CPU of its sums and rebuilds (``reduce_s`` less the update, which every scheme pays)
+    takes ``crowding`` x as long on a shared core. A probed scheme was timed crowded: none of
+    this is added to it.
+    ``probed``: schemes of Poseidon's own whose whole round was probed at start-up beside the
+    engines (shm, ``handshake.wants_shm_probe``), priced from it as the engines are."""
     comm, overrides = split_comm(comm)
     unknown = set(overrides) - {info.name for info in layers}
     if unknown:
         raise ValueError(f"--comm: no layer with parameters named {', '.join(sorted(unknown))}")
     machines = machines if machines is not None else max(1, p1 // max(slots, 1))
     joined = {e.name: e.link for e in engines}
+    rounds = {**(probed or {}), **joined}
     runnable = {name for name, scheme in SCHEMES.items()
                 if (name in joined if scheme.engine else scheme.available())
                 and (not scheme.one_machine or (machines == 1 and p1 > 1))}
@@ -148,15 +155,20 @@ def plan_layers(layers: Sequence[LayerInfo], p1: int, comm: str = "auto",
             if name not in runnable or not scheme.applies(info) or (name == "sfb" and not allow_sfb):
                 continue
             itemsize = wire_itemsize if scheme.dense else info.itemsize
-            net = joined.get(name, link)  # an engine on its probed link, flat
-            t = level_timing(scheme, info, p1, slots, net, local_link, device, chunk_bytes,
+            if name in rounds:  # a whole round as measured: crowding and all
+                timings[name] = probed_timing(name, info, p1, rounds[name], device)
+                marginal[(info.layer, name)] = probed_timing(
+                    name, info, p1, replace(rounds[name], alpha_s=0.0), device).total_s
+                continue
+            t = level_timing(scheme, info, p1, slots, link, local_link, device, chunk_bytes,
                              itemsize)
-            timings[name] = replace(t, cpu_s=overhead * t.messages) if overhead else t
+            if crowding > 1:
+                own = t.reduce_s - (0.0 if device.update_on_device else t.update_s)
+                t = replace(t, cpu_s=overhead * t.messages + (crowding - 1) * own)
+            timings[name] = t
             if scheme.dense:
-                bare = Link(0.0, net.beta_s_per_byte, net.source) if scheme.engine \
-                    else no_latency[0]
                 marginal[(info.layer, name)] = level_timing(
-                    scheme, info, p1, slots, bare, no_latency[1], device, chunk_bytes,
+                    scheme, info, p1, slots, no_latency[0], no_latency[1], device, chunk_bytes,
                     itemsize).total_s
         if info.name in overrides:
             scheme = overrides[info.name]
@@ -302,6 +314,8 @@ class PlanOptions:
     engines: tuple[EngineCost, ...] = ()
     #: workers per core on the planning machine (``plan_layers``)
     crowding: float = 1.0
+    #: shm's start-up probe, where it ran (``plan_layers``'s ``probed``)
+    shm_probe: Link | None = None
     #: this run may sum on these engines (--comm names one, or --trusted-network); a recorded
     #: plan that uses another is not followed
     trusted_engines: tuple[str, ...] = ()
@@ -321,7 +335,8 @@ class PlanOptions:
                            wire_itemsize=self.wire_itemsize, slots=self.slots,
                            local_link=self.local_link, machines=self.machines,
                            fusion=self.fusion_bytes > 0, engines=self.engines,
-                           crowding=self.crowding)
+                           crowding=self.crowding,
+                           probed={"shm": self.shm_probe} if self.shm_probe else None)
 
     def plan(self, plans: list[LayerPlan], units: list[tuple[list[int], str]],
              comm: str) -> Plan:

@@ -71,10 +71,10 @@ def open_worker(rank: int, hosts: Sequence[HostEntry], *, key: bytes, timeout: f
 class Syncer:
     """The per-layer gradient synchroniser a Solver drives (release / wait / wait_all / close).
 
-    ``planner(link, local_link, engines, crowding) -> Plan`` is rank 0's (the others follow
-    the plan it sends): the network link and the link inside a machine (None with one worker
-    per machine), the engines every worker joined, and the workers per core on rank 0's
-    machine (``handshake.Planner``); ``link``, when given, replaces the network probe.
+    ``planner(link, local_link, engines, crowding, shm_probe) -> Plan`` is rank 0's (the others
+    follow the plan it sends): the network link and the link inside a machine (None with one
+    worker per machine), the engines every worker joined, the workers per core on rank 0's
+    machine, and shm's start-up probe where it ran (``handshake.Planner``); ``link``, when given, replaces the network probe.
     Construction runs the start-up barrier.
     """
 
@@ -168,14 +168,11 @@ class Syncer:
         met = handshake.hello(ep, self.layers, self.chunk_bytes, self._fail,
                               handshake.offers(self._engine_names, self._on_gpu))
         self.engines = handshake.join_engines(ep, self._engine_names, self._required_engines,
-                                              met.offered, self._fail)
-        for c in self.engines.costs:
-            log.info("Collective engine %s joined (%s, %s): %s", c.name, c.version, c.algorithm,
-                     c.link.source)
-        for why in self.engines.dropped:
-            log.info("Collective engine not planned: %s", why)
+                                              met.offered, self._fail, self.call_soon)
+        for line in self.engines.report():
+            log.info(line)
         plan = handshake.agree_plan(ep, self._planner, self._link, self._on_plan,
-                                    self.engines.costs, met.crowding)
+                                    self.engines.costs, met.crowding, self.engines.shm)
         units = handshake.units_of(plan, self.layers, ep.name, self._fail,
                                    tuple(self.engines.joined))
         self.engines.close(keep_only={u.scheme for u in units.units})

@@ -43,8 +43,9 @@ _ROLE = {pb.WORKER: WORKER, pb.SHARD: SHARD}
 ROLE_PB = {WORKER: pb.WORKER, SHARD: pb.SHARD}
 _CONTROL = (pb.HELLO, pb.LAYOUT, pb.READY, pb.HEARTBEAT, pb.PLAN, pb.PROBE, pb.BYE, pb.ABORT,
             pb.CHECK, pb.STATE, pb.ENGINE)
-#: PROBE's op: a request the receiver echoes at once, and the echo
-PROBE_ASK, PROBE_ECHO = 0, 1
+#: PROBE's op: a request the receiver echoes at once, the echo, and a step of the shm probe
+#: (engine/comm/schemes/shm.py)
+PROBE_ASK, PROBE_ECHO, PROBE_SHM = 0, 1, 2
 
 
 @dataclass

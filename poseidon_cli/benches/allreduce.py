@@ -238,7 +238,7 @@ def layer_syncer(scheme: str, nbytes: int, rank: int, world: int, base: int,
                      max_frame_bytes=frame_limit(slots, world))
     engines = (scheme,) if scheme in ENGINE_OF else ()
 
-    def planner(link: Any, local: Any, joined: Any, crowding: float) -> Any:
+    def planner(link: Any, local: Any, joined: Any, crowding: float, shm: Any) -> Any:
         return make_plan(infos, world, PlanOptions(comm=scheme, link=link, engines=joined))
 
     return Syncer(ep, slots, lambda layer: None, planner=planner, levels=False,

@@ -113,11 +113,13 @@ def communicator(config: JobConfig, entries: list[HostEntry], rank: int, gpu: in
     if pinned is not None:  # its engines, and no other
         allowed = required = tuple(e.name for e in pinned[0].used_engines)
 
-    def planner(probed: Any, local: Any, engines: Any, crowding: float) -> Any:  # rank 0's
+    def planner(probed: Any, local: Any, engines: Any, crowding: float,
+                shm_probe: Any) -> Any:  # rank 0's
         plan, why = pinned or (None, "")  # (every worker follows rank 0's)
         if plan is None:
             options = plan_options(config, entries, allow_sfb, gpu is not None, momentum,
-                                   solver.net, infos, probed, local, engines, crowding=crowding)
+                                   solver.net, infos, probed, local, engines, crowding=crowding,
+                                   shm_probe=shm_probe)
             if crowding > 1:
                 overhead = overhead_of(options.link, options.local_link)
                 glog.info(f"This machine runs {crowding:g} workers a core: the plan prices "
@@ -306,14 +308,14 @@ def recorded_plan(config: JobConfig, infos: list[Any], entries: list[Any], allow
 def plan_options(config: JobConfig, entries: list[Any], allow_sfb: bool, on_gpu: bool,
                  momentum: float, net: Any = None, infos: list[Any] | None = None,
                  link: Any = None, local_link: Any = None, engines: Any = (),
-                 versions_of: Any = (), crowding: float = 1.0) -> Any:
+                 versions_of: Any = (), crowding: float = 1.0, shm_probe: Any = None) -> Any:
     """Rank 0's PlanOptions: the job's settings, this machine's probed speeds, where the
     workers are, the links (when known), the engines every worker joined (priced by their
     probes) and, with fusion and a ``net``, the backward time of every layer estimated from
     its arithmetic (for --fusion-ms). ``momentum``: what the sparse codec applies (its
     momentum correction; 0: none). ``versions_of``: the engines whose version and pinned
     algorithm this machine is asked for (a recorded plan's). ``crowding``: workers per core
-    on this machine."""
+    on this machine; ``shm_probe``: shm's start-up probe, where it ran."""
     from engine.comm.planner import DEFAULT_LINK, DEFAULT_LOCAL_LINK, PlanOptions
     from engine.comm.probe import probe_device
     from engine.comm.schemes import SCHEMES
@@ -342,7 +344,7 @@ def plan_options(config: JobConfig, entries: list[Any], allow_sfb: bool, on_gpu:
         sparse=(config.sparse, config.sparse_warmup, momentum),
         fusion_bytes=int(config.fusion_mb * (1 << 20)), fusion_s=config.fusion_ms / 1e3,
         backward_s=backward_s, slots=topo.slots if config.levels and topo.two_level else 1,
-        machines=len(topo.machines), crowding=crowding)
+        machines=len(topo.machines), crowding=crowding, shm_probe=shm_probe)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -35,7 +35,7 @@ import numpy as np
 from engine.pb import poseidon_pb2 as pb
 
 from ..cost import Device, LayerTiming, cost_ring
-from ..engines import Backend, Collective, EngineError, ring_time
+from ..engines import Backend, Collective, EngineError, probed_timing
 from ..errors import CommError
 from ..transport import WORKER, Message, PeerId
 from ..units import Unit, in_place, is_view, lies_at, scatter_sum
@@ -167,12 +167,7 @@ class CollectiveScheme(DenseScheme):
     def timing(cls, info: Any, world: int, link: Any, device: Device, chunk_bytes: int,
                wire_itemsize: int) -> LayerTiming:
         """On ``link``, the engine's probed link (a ring's alpha and beta)."""
-        nbytes = info.params * info.itemsize
-        moved = 2 * (world - 1) / world * nbytes
-        span = ring_time(link, world, nbytes)
-        update = device.update_s(nbytes)
-        return LayerTiming(info.name, cls.name, moved, moved, span, span, 0.0, 0.0,
-                           0.0 if device.update_on_device else update, update)
+        return probed_timing(cls.name, info, world, link, device)
 
     def capture(self, unit: Unit, rnd: int, bits: int) -> Any:
         """On the training thread at release: host gradients are gathered and their sum is
