@@ -24,7 +24,9 @@ from ..options import parse_workers
               "machine of its own]")
 @click.option("--net", "nets", default="fc,conv", show_default=True,
               help="fc: FC-heavy (1.3 M parameters); conv: conv-heavy (66 K parameters).")
-@click.option("--iters", type=int, default=60, show_default=True)
+@click.option("--iters", type=int, default=240, show_default=True,
+              help="Iterations a run; its rate is the median of the solver's display windows "
+              "after the first third.")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
               help="Alternating runs of DDP and each scheme; medians are reported.")
 @click.option("--bandwidth", default=None, metavar="BW",
