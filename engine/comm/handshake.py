@@ -123,6 +123,8 @@ class Engines:
     #: shm's start-up probe, where the workers of one machine ran it beside the engines
     #: (``wants_shm_probe``): the plan prices shm as it does them, from a measured round
     shm: Link | None = None
+    #: rank 0's: why shm was not probed where it would have been (its segment not made)
+    shm_unprobed: str = ""
 
     def report(self) -> list[str]:
         """The log's lines: each engine joined and its probe, each dropped, shm's probe."""
@@ -130,7 +132,9 @@ class Engines:
                  f"{c.link.source}" for c in self.costs]
                 + [f"Collective engine not planned: {why}" for why in self.dropped]
                 + ([f"Shared memory (shm) probed beside them: {self.shm.source}"]
-                   if self.shm is not None else []))
+                   if self.shm is not None else [])
+                + ([f"Shared memory (shm) not probed, priced by its cost model: "
+                    f"{self.shm_unprobed}"] if self.shm_unprobed else []))
 
     def close(self, keep_only: Collection[str] = (), clean: bool = True) -> None:
         """Leave every engine but ``keep_only`` (not ``clean``: the job failed, and an
@@ -153,7 +157,7 @@ def join_engines(ep: Endpoint, wanted: Sequence[str], required: Sequence[str],
     rank, world = ep.me[1], len(ep.hosts)
     keep: list[Any] = []
     dropped: list[str] = []
-    seg = None
+    seg, unprobed = None, ""
     if rank == 0:
         mine = {s.name: s for s in offered[0]}
         specs = []
@@ -186,13 +190,11 @@ def join_engines(ep: Endpoint, wanted: Sequence[str], required: Sequence[str],
             specs.append(pb.EngineSpec(name=name, version=own.version,
                                        algorithm=backend.algorithm(), setup=setup))
         nonce = os.urandom(16) if wants_shm_probe(ep, specs, required) else b""
-        if nonce:  # made before anyone is told its name
+        if nonce:  # made before anyone is told its name (in the try below: removed on any path)
             try:
                 seg = shm.open_probe(nonce, world, True, ep.name)
             except CommError as e:
-                dropped.append(f"shm is priced by its cost model, not probed: {e}")
-                nonce = b""
-        ep.broadcast(workers(ep), header(pb.ENGINE, engines=specs, shm_probe=nonce))
+                unprobed, nonce = str(e), b""
     else:
         [m] = ep.wait_for([message_key(pb.ENGINE, (WORKER, 0))], "the collective engines")
         specs = list(m.header.engines)
@@ -207,6 +209,8 @@ def join_engines(ep: Endpoint, wanted: Sequence[str], required: Sequence[str],
     costs = []
     probed = None
     try:
+        if rank == 0:
+            ep.broadcast(workers(ep), header(pb.ENGINE, engines=specs, shm_probe=nonce))
         for spec in specs:
             backend = SCHEMES[spec.name].backend  # type: ignore[attr-defined]
             c = joined[spec.name] = Collective(
@@ -225,7 +229,7 @@ def join_engines(ep: Endpoint, wanted: Sequence[str], required: Sequence[str],
             seg.close()
         if rank == 0 and nonce:  # every worker mapped it before its first step
             shm.unlink_quietly(shm.segment_path(nonce))
-    return Engines(joined, tuple(costs), keep, dropped, probed)
+    return Engines(joined, tuple(costs), keep, dropped, probed, unprobed)
 
 
 def on_thread(ep: Endpoint, call_soon: Callable[[Callable[[], None]], None] | None,
