@@ -74,7 +74,8 @@ class Syncer:
     ``planner(link, local_link, engines, crowding, shm_probe) -> Plan`` is rank 0's (the others
     follow the plan it sends): the network link and the link inside a machine (None with one
     worker per machine), the engines every worker joined, the workers per core on rank 0's
-    machine, and shm's start-up probe where it ran (``handshake.Planner``); ``link``, when given, replaces the network probe.
+    machine, and shm's start-up probe where it ran (``handshake.Planner``); ``link``, when
+    given, replaces the network probe.
     Construction runs the start-up barrier.
     """
 
